@@ -1,0 +1,74 @@
+"""The ``bimetal`` command: parses the sub-command and hands the rest to the layer that owns it.
+
+Errors a user can cause (bad config, impossible layout, missing library) end with one sentence on
+stderr and exit status 2; a traceback means a bug.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Callable
+
+# command -> (module, function, one-line help). Each function takes argv and returns an exit status.
+COMMANDS: dict[str, tuple[str, str, str]] = {
+    "launch": ("bimetal.launch", "main", "start ranks on this machine (simulation, lab) via torch's launcher"),
+    "topo": ("bimetal.topology.cli", "main", "print the cluster view and the group table for a layout"),
+    "train": ("bimetal.train.cli", "main", "train LLaMA-3 / Qwen2 across vendors"),
+    "plan": ("bimetal.plan.cli", "main", "rank layouts for a cluster spec with the cost model"),
+    "profile": ("bimetal.plan.cli", "profile_main", "time model layers on the local device for the planner"),
+    "lab": ("bimetal.lab.cli", "main", "bring up an emulated multi-node cluster and run a job on it"),
+    "bench": ("bimetal.cli", "bench_main", "benchmarks: 'bench comm', 'bench ladder'"),
+}
+
+BENCHES: dict[str, tuple[str, str]] = {
+    "comm": ("bimetal.comm.bench", "main"),
+    "ladder": ("bimetal.lab.ladder", "main"),
+}
+
+
+class UserError(Exception):
+    """An error the user caused; printed as one sentence, exit status 2."""
+
+
+def _resolve(module: str, func: str) -> Callable[[list[str]], int]:
+    try:
+        return getattr(importlib.import_module(module), func)
+    except (ImportError, AttributeError) as exc:
+        raise UserError(f"this build of bimetal has no {module}.{func} ({exc})") from exc
+
+
+def bench_main(argv: list[str]) -> int:
+    if not argv or argv[0] not in BENCHES:
+        raise UserError(f"usage: bimetal bench {{{','.join(BENCHES)}}} [options]")
+    return _resolve(*BENCHES[argv[0]])(argv[1:])
+
+
+def _usage() -> str:
+    lines = ["usage: bimetal <command> [options]", "", "commands:"]
+    lines += [f"  {name:<8} {help_}" for name, (_, _, help_) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command not in COMMANDS:
+        print(f"bimetal: unknown command {command!r}\n{_usage()}", file=sys.stderr)
+        return 2
+    try:
+        module, func, _ = COMMANDS[command]
+        return int(_resolve(module, func)(rest) or 0)
+    except UserError as exc:
+        print(f"bimetal {command}: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"bimetal {command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

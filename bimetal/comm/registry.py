@@ -1,0 +1,97 @@
+"""Registration of bimetal's torch.distributed back-ends.
+
+* ``bimetal_cpu_forward``: cross-vendor transport through pinned host memory and Gloo (comm/cpu_forward).
+* ``bimetal_device_direct``: cross-vendor transport through an RDMA transfer engine (comm/device_direct).
+* ``bimetal_sim_native``: the native back-end under simulation. It is Gloo, but like NCCL/RCCL it refuses a
+  group whose ranks run different (simulated) vendors.
+
+Creators import their transport lazily, so ``import bimetal`` stays cheap and a transport that is not
+built (or whose library is missing) fails when a group asks for it, with a message that says so.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+CPU_FORWARD = "bimetal_cpu_forward"
+DEVICE_DIRECT = "bimetal_device_direct"
+SIM_NATIVE = "bimetal_sim_native"
+
+# transport back-end name -> module with ``create_process_group(dist_backend_opts, pg_options)``
+_TRANSPORT_MODULES = {
+    CPU_FORWARD: "bimetal.comm.cpu_forward",
+    DEVICE_DIRECT: "bimetal.comm.device_direct",
+}
+
+
+class TransportUnavailableError(RuntimeError):
+    """A group asked for a bimetal transport that cannot be built in this process."""
+
+
+class VendorMismatchError(RuntimeError):
+    """A native (vendor-library) group was asked to span ranks of different vendors."""
+
+
+def _transport_creator(name: str):
+    def create(dist_backend_opts: Any, pg_options: Any):
+        module_name = _TRANSPORT_MODULES[name]
+        try:
+            module = importlib.import_module(module_name)
+            factory = module.create_process_group
+        except (ImportError, AttributeError) as exc:
+            raise TransportUnavailableError(
+                f"the {name} transport is not available in this build ({module_name}: {exc}); "
+                "choose another transport for cross-vendor groups"
+            ) from exc
+        return factory(dist_backend_opts, pg_options)
+
+    return create
+
+
+def _vendor_handshake(store: dist.Store, rank: int, size: int, timeout: timedelta, vendor: str) -> list[str]:
+    """Every rank of a new group learns every member's vendor (JSON over the group's store)."""
+    store.set(f"bimetal_vendor/{rank}", json.dumps({"vendor": vendor}))
+    store.set_timeout(timeout)
+    vendors = []
+    for r in range(size):
+        record = json.loads(store.get(f"bimetal_vendor/{r}"))
+        if not isinstance(record, dict) or not isinstance(record.get("vendor"), str):
+            raise VendorMismatchError(f"malformed vendor record from group rank {r}: {record!r}")
+        vendors.append(record["vendor"])
+    return vendors
+
+
+def _create_sim_native(dist_backend_opts: Any, pg_options: Any):
+    from bimetal.topology.vendor import detect_vendor
+
+    store = dist_backend_opts.store
+    rank, size = dist_backend_opts.group_rank, dist_backend_opts.group_size
+    global_ranks = list(dist_backend_opts.global_ranks_in_group) or list(range(size))
+    vendor = detect_vendor(global_ranks[rank] if global_ranks else None)
+    vendors = _vendor_handshake(store, rank, size, dist_backend_opts.timeout, vendor)
+    if len(set(vendors)) > 1:
+        members = ", ".join(f"{g}:{v}" for g, v in zip(global_ranks, vendors))
+        raise VendorMismatchError(
+            f"the native back-end cannot form a group across vendors (ranks {members}); "
+            "NCCL and RCCL do not interoperate - use a bimetal transport for this group"
+        )
+    return dist.ProcessGroupGloo(store, rank, size, dist_backend_opts.timeout)
+
+
+_registered = False
+
+
+def register_backends() -> None:
+    """Register the bimetal back-ends with torch.distributed (idempotent)."""
+    global _registered
+    if _registered:
+        return
+    for name in (CPU_FORWARD, DEVICE_DIRECT):
+        dist.Backend.register_backend(name, _transport_creator(name), extended_api=True, devices=["cpu", "cuda"])
+    dist.Backend.register_backend(SIM_NATIVE, _create_sim_native, extended_api=True, devices=["cpu"])
+    _registered = True

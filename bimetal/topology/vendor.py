@@ -1,0 +1,82 @@
+"""Which GPU vendor this process runs on: the one place bimetal reads it.
+
+Real hardware: ``torch.version.hip`` set means AMD (ROCm torch also reports device type ``"cuda"``),
+``torch.version.cuda`` set means NVIDIA, neither means CPU. Simulation overrides both:
+``BIMETAL_VENDOR`` names this process's vendor, or ``BIMETAL_SIMULATE="nvidia:2,amd:2"`` assigns
+vendors to global ranks in order (what ``--simulate`` on the CLI sets for the ranks it starts).
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+
+VENDORS = ("nvidia", "amd", "cpu")
+SIMULATE_ENV = "BIMETAL_SIMULATE"
+VENDOR_ENV = "BIMETAL_VENDOR"
+SIMULATED_VENDORS = ("nvidia", "amd")
+
+
+class SimulationSpecError(ValueError):
+    """A ``--simulate`` / ``BIMETAL_SIMULATE`` value that cannot be parsed."""
+
+
+def parse_simulate(spec: str) -> list[str]:
+    """Vendor of each global rank for a spec like ``"nvidia:2,amd:2"`` (ranks 0-1 nvidia, 2-3 amd)."""
+    vendors: list[str] = []
+    for part in spec.split(","):
+        part = part.strip()
+        name, sep, count = part.partition(":")
+        if not sep or name not in SIMULATED_VENDORS or not count.isdigit() or int(count) < 1:
+            raise SimulationSpecError(
+                f"bad simulation entry {part!r} in {spec!r}: expected vendor:count with vendor one of "
+                f"{', '.join(SIMULATED_VENDORS)} and count >= 1, e.g. 'nvidia:2,amd:2'"
+            )
+        vendors.extend([name] * int(count))
+    return vendors
+
+
+def hardware_vendor(torch_module: ModuleType | None = None) -> str:
+    """The vendor of the torch build in use: from ``torch.version.hip`` / ``torch.version.cuda``."""
+    if torch_module is None:
+        import torch as torch_module
+    version = torch_module.version
+    if getattr(version, "hip", None):
+        return "amd"
+    if getattr(version, "cuda", None) and torch_module.cuda.is_available():
+        return "nvidia"
+    return "cpu"
+
+
+def simulated_vendor(rank: int | None = None, env: dict[str, str] | None = None) -> str | None:
+    """The simulated vendor of ``rank`` (default: ``$RANK``), or None when not simulating."""
+    env = dict(os.environ) if env is None else env
+    if env.get(VENDOR_ENV):
+        vendor = env[VENDOR_ENV]
+        if vendor not in SIMULATED_VENDORS:
+            raise SimulationSpecError(
+                f"{VENDOR_ENV}={vendor!r} is not a vendor; use one of {', '.join(SIMULATED_VENDORS)}"
+            )
+        return vendor
+    spec = env.get(SIMULATE_ENV)
+    if not spec:
+        return None
+    vendors = parse_simulate(spec)
+    if rank is None:
+        rank = int(env.get("RANK", "0"))
+    if not 0 <= rank < len(vendors):
+        raise SimulationSpecError(
+            f"rank {rank} is outside the simulated cluster {spec!r} of {len(vendors)} ranks; "
+            "the simulation spec must cover the whole world"
+        )
+    return vendors[rank]
+
+
+def is_simulated(env: dict[str, str] | None = None) -> bool:
+    env = dict(os.environ) if env is None else env
+    return bool(env.get(VENDOR_ENV) or env.get(SIMULATE_ENV))
+
+
+def detect_vendor(rank: int | None = None, torch_module: ModuleType | None = None) -> str:
+    """This process's vendor: simulation setting first, then the torch build."""
+    return simulated_vendor(rank) or hardware_vendor(torch_module)

@@ -1,0 +1,1 @@
+"""bimetal.train."""

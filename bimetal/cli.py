@@ -10,6 +10,8 @@ import importlib
 import sys
 from collections.abc import Callable
 
+from bimetal.errors import UserError
+
 # command -> (module, function, one-line help). Each function takes argv and returns an exit status.
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "launch": ("bimetal.launch", "main", "start ranks on this machine (simulation, lab) via torch's launcher"),
@@ -25,10 +27,6 @@ BENCHES: dict[str, tuple[str, str]] = {
     "comm": ("bimetal.comm.bench", "main"),
     "ladder": ("bimetal.lab.ladder", "main"),
 }
-
-
-class UserError(Exception):
-    """An error the user caused; printed as one sentence, exit status 2."""
 
 
 def _resolve(module: str, func: str) -> Callable[[list[str]], int]:

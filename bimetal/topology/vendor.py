@@ -11,13 +11,15 @@ from __future__ import annotations
 import os
 from types import ModuleType
 
+from bimetal.errors import UserError
+
 VENDORS = ("nvidia", "amd", "cpu")
 SIMULATE_ENV = "BIMETAL_SIMULATE"
 VENDOR_ENV = "BIMETAL_VENDOR"
 SIMULATED_VENDORS = ("nvidia", "amd")
 
 
-class SimulationSpecError(ValueError):
+class SimulationSpecError(UserError, ValueError):
     """A ``--simulate`` / ``BIMETAL_SIMULATE`` value that cannot be parsed."""
 
 

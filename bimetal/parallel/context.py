@@ -1,0 +1,150 @@
+"""``init_parallel``: from the torchrun environment to a ``ParallelContext`` holding every group.
+
+Steps, the same on every rank: initialise the world (Gloo for CPU tensors; NCCL too on an all-one-vendor
+GPU cluster), exchange topology records over the store, lay out (pp, dp, tp) - refused before any group is
+created if impossible - then create the groups with their differentiated back-ends. Rank 0 prints the
+group table. No globals: callers pass the context on.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from bimetal.parallel.groups import GroupSpec, create_groups, format_group_table, plan_groups
+from bimetal.parallel.layout import Layout, ParallelDims, plan_layout
+from bimetal.topology.exchange import exchange_topology
+from bimetal.topology.records import ClusterView
+from bimetal.topology.vendor import detect_vendor, is_simulated
+
+DEFAULT_TIMEOUT = timedelta(seconds=300)
+
+
+@dataclass
+class HierarchicalGroups:
+    """Groups for the hierarchical all-reduce of a data-parallel group that spans vendors."""
+
+    island: dist.ProcessGroup | None
+    """Native group of this rank's vendor inside its dp group."""
+    cross: dist.ProcessGroup | None
+    """Cross-vendor group of the ranks holding the same shard position in each island."""
+    island_size: int
+    num_islands: int
+
+
+@dataclass
+class ParallelContext:
+    """Everything a trainer needs to know about where this rank sits and how it talks."""
+
+    rank: int
+    world_size: int
+    vendor: str
+    view: ClusterView
+    layout: Layout
+    group_specs: list[GroupSpec]
+    groups: dict[str, dist.ProcessGroup | None]
+    stage: int
+    dp_rank: int
+    tp_rank: int
+    pp_group: dist.ProcessGroup | None = None
+    dp_group: dist.ProcessGroup | None = None
+    tp_group: dist.ProcessGroup | None = None
+    hierarchical: HierarchicalGroups | None = None
+    owns_world: bool = field(default=False, repr=False)
+
+    @property
+    def num_stages(self) -> int:
+        return self.layout.dims.pp
+
+    @property
+    def pp_rank(self) -> int:
+        return self.stage
+
+    @property
+    def pp_size(self) -> int:
+        return self.layout.dims.pp
+
+    @property
+    def dp_size(self) -> int:
+        return self.layout.dims.dp
+
+    @property
+    def tp_size(self) -> int:
+        return self.layout.dims.tp
+
+    @property
+    def dp_spans_vendors(self) -> bool:
+        return self.layout.stage_vendors[self.stage] == "mixed"
+
+    @property
+    def group_table(self) -> list[GroupSpec]:
+        return self.group_specs
+
+    def spec(self, name: str) -> GroupSpec:
+        return next(g for g in self.group_specs if g.name == name)
+
+    def my_group_name(self, axis: str) -> str | None:
+        """Name of the group on ``axis`` that holds this rank, if any."""
+        for g in self.group_specs:
+            if g.axis == axis and self.rank in g.ranks:
+                return g.name
+        return None
+
+    def destroy(self) -> None:
+        """Destroy this context's groups (and the world, if ``init_parallel`` created it)."""
+        if not dist.is_initialized():
+            return
+        for pg in self.groups.values():
+            if pg is not None:
+                dist.destroy_process_group(pg)
+        self.groups.clear()
+        if self.owns_world:
+            dist.destroy_process_group()
+
+
+def _world_backend(vendor: str) -> str:
+    # A world that may span vendors can only be Gloo; CUDA tensors go through the explicit groups.
+    if is_simulated() or vendor == "cpu":
+        return "gloo"
+    return "cpu:gloo"
+
+
+def init_parallel(
+    dims: ParallelDims,
+    transports: dict[str, str] | None = None,
+    timeout: timedelta = DEFAULT_TIMEOUT,
+    print_table: bool = True,
+) -> ParallelContext:
+    """Initialise the world from the torchrun environment and build every group of the layout."""
+    owns_world = not dist.is_initialized()
+    rank = int(os.environ.get("RANK", "0")) if owns_world else dist.get_rank()
+    vendor = detect_vendor(rank)
+    if owns_world:
+        dist.init_process_group(backend=_world_backend(vendor), timeout=timeout)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    store = dist.distributed_c10d._get_default_store()
+    view = exchange_topology(store, rank, world, timeout)
+    layout = plan_layout(view, dims)
+    specs = plan_groups(view, layout, transports, simulated=is_simulated())
+    if print_table and rank == 0:
+        print("bimetal cluster view:\n" + view.format_table(), flush=True)
+        print(f"bimetal groups ({dims.describe()}):\n" + format_group_table(specs), flush=True)
+    groups = create_groups(specs, timeout)
+    stage, dp_rank, tp_rank = layout.coords(rank)
+    ctx = ParallelContext(
+        rank=rank, world_size=world, vendor=vendor, view=view, layout=layout, group_specs=specs,
+        groups=groups, stage=stage, dp_rank=dp_rank, tp_rank=tp_rank, owns_world=owns_world,
+    )
+    for axis in ("pp", "dp", "tp"):
+        name = ctx.my_group_name(axis)
+        setattr(ctx, f"{axis}_group", groups[name] if name else None)
+    island, cross = ctx.my_group_name("dp.island"), ctx.my_group_name("dp.cross")
+    if cross:  # an island of one rank has no island group: the cross group is the whole exchange
+        ctx.hierarchical = HierarchicalGroups(
+            island=groups[island] if island else None, cross=groups[cross],
+            island_size=len(ctx.spec(island).ranks) if island else 1, num_islands=len(ctx.spec(cross).ranks),
+        )
+    return ctx

@@ -1,0 +1,65 @@
+"""``bimetal topo``: print the cluster view and the group table of a layout, without training.
+
+Outside a launched job it starts the ranks itself (``--simulate``) through ``bimetal launch``; each rank
+then initialises, exchanges topology, lays out the degrees and creates every group for real, so the table
+shows what a training job would get.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from bimetal.errors import UserError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="bimetal topo", description=__doc__.splitlines()[0])
+    p.add_argument("--simulate", help="simulated vendors by global rank, e.g. nvidia:2,amd:2")
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--dp", type=int, default=1)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--allow-cross-vendor-dp", action="store_true")
+    p.add_argument("--strict", action="store_true", help="refuse stages that are not vendor-homogeneous")
+    p.add_argument("--pp-transport", default="cpu-forward", help="cpu-forward | device-direct | gloo")
+    p.add_argument("--dp-transport", default="cpu-forward", help="for data-parallel groups that span vendors")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds for start-up and group creation")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    if "RANK" not in os.environ:
+        if not args.simulate:
+            raise UserError("outside torchrun, give --simulate (e.g. --simulate nvidia:2,amd:2) or run under torchrun")
+        from bimetal.launch import launch
+
+        return launch(["-m", "bimetal.topology.cli", *argv], simulate=args.simulate)
+    return _run_rank(args)
+
+
+def _run_rank(args: argparse.Namespace) -> int:
+    from datetime import timedelta
+
+    from bimetal.parallel import ParallelDims, init_parallel
+
+    dims = ParallelDims(args.pp, args.dp, args.tp, args.allow_cross_vendor_dp, args.strict)
+    ctx = init_parallel(
+        dims, {"pp": args.pp_transport, "dp": args.dp_transport}, timedelta(seconds=args.timeout)
+    )
+    try:
+        if ctx.rank == 0:
+            for s, vendor in enumerate(ctx.layout.stage_vendors):
+                ranks = [r for replica in ctx.layout.mesh[s] for r in replica]
+                print(f"stage {s}: {vendor} ranks {ranks}")
+    finally:
+        ctx.destroy()
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    from bimetal.cli import main as cli_main
+
+    sys.exit(cli_main(["topo", *sys.argv[1:]]))

@@ -1,0 +1,261 @@
+"""Typed training configuration: dataclasses, TOML file, ``--section.key=value`` overrides.
+
+Precedence is CLI > file > defaults. This module imports no torch.distributed so the planner can
+write and check configs without side effects. Every mistake a user can make raises ``UserError``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+from bimetal.errors import UserError
+
+
+@dataclass
+class ModelConfig:
+    family: str = "llama3"
+    """Model family: ``llama3`` or ``qwen2``."""
+    flavour: str = "debug"
+    """Flavour within the family (``debug``, ``llama3-8b``, ``qwen2-7b``)."""
+    seed: int = 0
+    """Seed of the deterministic weight initialisation."""
+
+
+@dataclass
+class ParallelConfig:
+    pp: int = 1
+    """Number of pipeline stages."""
+    dp: int = 1
+    """Data-parallel replicas per stage."""
+    layers_per_stage: list[int] = field(default_factory=list)
+    """Layers held by each stage, e.g. ``[3, 1]``; empty means an even split. Must sum to the model's layers."""
+    schedule: str = "1f1b"
+    """Pipeline schedule: ``1f1b`` or ``gpipe``."""
+    microbatches: int = 2
+    """Microbatches per optimizer step per replica (per accumulation step)."""
+    pp_transport: str = "cpu-forward"
+    """Transport of the pipeline group: ``cpu-forward``, ``device-direct`` or ``gloo``."""
+    dp_transport: str = "gloo"
+    """Transport of the data-parallel groups."""
+    timeout_s: float = 120.0
+    """Timeout of every collective, in seconds; a hang fails after this long."""
+
+
+@dataclass
+class DataConfig:
+    path: str = ""
+    """Text file, JSONL file (``text`` field) or pre-tokenized ``.bin`` shard; empty means the shipped corpus."""
+    tokenizer: str = "byte"
+    """``byte`` (vocab 256 + specials, no download) or the path of an HF ``tokenizers`` JSON file."""
+    bin_dtype: str = "uint16"
+    """Element type of ``.bin`` shards: ``uint16`` or ``uint32``."""
+    seq_len: int = 128
+    """Tokens per sample."""
+    batch_size: int = 4
+    """Samples per replica per accumulation step, split into ``parallel.microbatches``."""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-3
+    """Peak learning rate of AdamW."""
+    weight_decay: float = 0.1
+    """AdamW weight decay."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    warmup_steps: int = 10
+    """Linear warm-up steps before the cosine decay."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of ``lr``."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip over all stages and replicas; 0 disables."""
+    grad_accum: int = 1
+    """Gradient-accumulation steps per optimizer step."""
+
+
+@dataclass
+class TrainingConfig:
+    steps: int = 100
+    """Optimizer steps to run."""
+    seed: int = 1234
+    """Seed of data order and RNG."""
+    dtype: str = "auto"
+    """``auto`` (bf16 autocast on GPUs, float32 on CPU), ``bfloat16`` or ``float32``."""
+    deterministic: bool = True
+    """Use deterministic algorithms where cheap."""
+
+
+@dataclass
+class CheckpointConfig:
+    folder: str = ""
+    """Checkpoint folder; empty means ``<run_dir>/checkpoints``."""
+    every: int = 0
+    """Save every N steps; 0 saves only at the end."""
+    resume: bool = False
+    """Continue from the newest complete checkpoint."""
+    export_hf: str = ""
+    """If set, export the trained model as an HF safetensors folder here."""
+
+
+@dataclass
+class MetricsConfig:
+    run_dir: str = "runs/default"
+    """Run folder: ``metrics.jsonl``, checkpoints, summary."""
+    log_every: int = 1
+    """Console progress line every N steps (rank 0)."""
+    tensorboard: bool = False
+    """Also write TensorBoard events, if tensorboard is installed."""
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Model family, flavour and init seed."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Pipeline / data-parallel layout and transports."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Corpus, tokenizer, batch shape."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer and schedule."""
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    """Loop length, seed, precision."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpointing and export."""
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    """Run folder and logging."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check the values that need no model; raises ``UserError`` naming the bad field."""
+        p = self.parallel
+        if p.pp < 1 or p.dp < 1:
+            raise UserError(f"parallel.pp={p.pp} and parallel.dp={p.dp} must both be at least 1.")
+        if p.layers_per_stage and len(p.layers_per_stage) != p.pp:
+            raise UserError(
+                f"parallel.layers_per_stage={p.layers_per_stage} has {len(p.layers_per_stage)} entries but "
+                f"parallel.pp={p.pp}; give one layer count per stage."
+            )
+        if any(n < 1 for n in p.layers_per_stage):
+            raise UserError(f"parallel.layers_per_stage={p.layers_per_stage} has a stage with no layers; "
+                            "give every stage at least one layer.")
+        if p.schedule not in ("1f1b", "gpipe"):
+            raise UserError(f"parallel.schedule={p.schedule!r} is unknown; use '1f1b' or 'gpipe'.")
+        if p.microbatches < 1 or self.data.batch_size % p.microbatches:
+            raise UserError(f"data.batch_size={self.data.batch_size} must be a multiple of "
+                            f"parallel.microbatches={p.microbatches}.")
+        if self.training.dtype not in ("auto", "bfloat16", "float32"):
+            raise UserError(f"training.dtype={self.training.dtype!r} is unknown; use auto, bfloat16 or float32.")
+        if self.data.bin_dtype not in ("uint16", "uint32"):
+            raise UserError(f"data.bin_dtype={self.data.bin_dtype!r} is unknown; use uint16 or uint32.")
+
+    def stage_split(self, n_layers: int) -> list[int]:
+        """Layers per stage for a model of ``n_layers``; raises ``UserError`` if the split does not sum."""
+        split = list(self.parallel.layers_per_stage)
+        if not split:
+            base, extra = divmod(n_layers, self.parallel.pp)
+            split = [base + (1 if i < extra else 0) for i in range(self.parallel.pp)]
+        if sum(split) != n_layers or min(split) < 1:
+            raise UserError(
+                f"parallel.layers_per_stage={split} sums to {sum(split)} but model "
+                f"{self.model.family}/{self.model.flavour} has {n_layers} layers; make the split sum to {n_layers}."
+            )
+        return split
+
+    def to_dict(self) -> dict[str, Any]:
+        """The config as plain data (TOML/JSON-ready)."""
+        return dataclasses.asdict(self)
+
+
+def _coerce(value: Any, current: Any, where: str) -> Any:
+    """Convert a file or CLI value to the type of the default; ``where`` names the key for errors."""
+    want = type(current)
+    if isinstance(value, str) and want is not str:
+        text = value.strip()
+        try:
+            if want is bool:
+                if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                    raise ValueError(text)
+                return text.lower() in ("true", "1", "yes")
+            if want is list:
+                return [int(v) for v in text.strip("[]").split(",") if v.strip()]
+            return want(text)
+        except ValueError:
+            raise UserError(f"{where}={value!r} is not a valid {want.__name__}; fix the value.") from None
+    if want is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if want is list and isinstance(value, list):
+        return list(value)
+    if not isinstance(value, want) or (want is int and isinstance(value, bool)):
+        raise UserError(f"{where}={value!r} should be a {want.__name__}; fix the value.")
+    return value
+
+
+def _apply(cfg: TrainConfig, section: str, key: str, value: Any, origin: str) -> None:
+    sections = {f.name for f in dataclasses.fields(TrainConfig)}
+    if section not in sections:
+        raise UserError(f"unknown config section [{section}] in {origin}; "
+                        f"known sections: {', '.join(sorted(sections))}.")
+    sub = getattr(cfg, section)
+    keys = {f.name for f in dataclasses.fields(sub)}
+    if key not in keys:
+        raise UserError(f"unknown config key {section}.{key} in {origin}; known keys of [{section}]: "
+                        f"{', '.join(sorted(keys))}.")
+    setattr(sub, key, _coerce(value, getattr(sub, key), f"{section}.{key}"))
+
+
+def parse_overrides(argv: list[str]) -> dict[str, str]:
+    """``['--optim.lr=1e-3', '--training.steps', '5']`` -> ``{'optim.lr': '1e-3', 'training.steps': '5'}``."""
+    out: dict[str, str] = {}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
+            raise UserError(f"argument {arg!r} is not an override; write --section.key=value.")
+        if "=" in arg:
+            k, v = arg[2:].split("=", 1)
+        else:
+            if i + 1 >= len(argv):
+                raise UserError(f"override {arg} has no value; write {arg}=VALUE.")
+            k, v = arg[2:], argv[i + 1]
+            i += 1
+        out[k] = v
+        i += 1
+    return out
+
+
+def load_config(path: str | Path | None, overrides: dict[str, Any] | list[str] | None = None) -> TrainConfig:
+    """Defaults, then the TOML file at ``path`` (if any), then ``overrides``; raises ``UserError``."""
+    cfg = TrainConfig.__new__(TrainConfig)
+    for f in dataclasses.fields(TrainConfig):
+        setattr(cfg, f.name, f.default_factory())  # type: ignore[misc]
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise UserError(f"config file {p} does not exist; check the --config path.")
+        try:
+            data = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise UserError(f"config file {p} is not valid TOML ({e}); fix the syntax.") from None
+        for section, body in data.items():
+            if not isinstance(body, dict):
+                raise UserError(f"unknown config key {section!r} in {p}; keys belong in a [section].")
+            for key, value in body.items():
+                _apply(cfg, section, key, value, str(p))
+    if isinstance(overrides, list):
+        overrides = parse_overrides(overrides)
+    for dotted, value in (overrides or {}).items():
+        section, _, key = dotted.partition(".")
+        _apply(cfg, section, key, value, "the command line")
+    cfg.validate()
+    return cfg

@@ -1,0 +1,90 @@
+"""Local-file token streams, sharded by dp rank and resumable from a saved position.
+
+Files: plain text, JSONL with a ``text`` field, or pre-tokenized ``.bin`` shards (uint16/uint32).
+Nothing is downloaded; an empty path means the corpus shipped in ``bimetal/data``.
+The stream is a fixed, seeded permutation of non-overlapping windows of ``seq_len + 1`` tokens; replica
+``r`` of ``n`` takes every ``n``-th window starting at ``r``, so all replicas together see each window
+once per epoch, and the only state to save is the number of windows this replica has consumed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from bimetal.errors import UserError
+from bimetal.train.tokenizer import ByteTokenizer, HFJsonTokenizer
+
+SHIPPED_CORPUS = Path(__file__).resolve().parent.parent / "data" / "tinyshakespeare.txt"
+
+
+def load_tokens(path: str, tokenizer: ByteTokenizer | HFJsonTokenizer, bin_dtype: str = "uint16") -> np.ndarray:
+    """All tokens of ``path`` (or of the shipped corpus) as an int64 array; raises ``UserError`` if missing."""
+    p = Path(path) if path else SHIPPED_CORPUS
+    if not p.is_file():
+        raise UserError(f"data file {p} does not exist; set data.path to a text, .jsonl or .bin file.")
+    if p.suffix == ".bin":
+        return np.fromfile(p, dtype=np.dtype(bin_dtype)).astype(np.int64)
+    if p.suffix == ".jsonl":
+        ids: list[int] = []
+        for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                text = json.loads(line)["text"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise UserError(f"line {n} of {p} is not a JSON object with a 'text' field; fix the file.") from None
+            ids.extend(tokenizer.encode(text))
+            ids.append(tokenizer.eos_id)
+        return np.asarray(ids, dtype=np.int64)
+    return np.asarray(tokenizer.encode(p.read_text(encoding="utf-8")), dtype=np.int64)
+
+
+class TokenStream:
+    """Batches of ``(inputs, targets)``, each ``[batch, seq_len]``, for one dp replica."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, dp_rank: int = 0, dp_size: int = 1,
+                 seed: int = 0) -> None:
+        self.tokens = torch.from_numpy(tokens)
+        self.seq_len, self.batch_size = seq_len, batch_size
+        self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
+        n_windows = (len(tokens) - 1) // seq_len
+        if n_windows < batch_size * dp_size:
+            raise UserError(f"the data has {len(tokens)} tokens, too few for {dp_size} replicas x batch {batch_size}"
+                            f" x seq_len {seq_len}; use more data or smaller data.seq_len/data.batch_size.")
+        self.n_windows = n_windows
+        self.consumed = 0  # windows this replica has taken so far (the saved position)
+
+    def _order(self, epoch: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(self.n_windows, generator=g)
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        per_epoch = self.n_windows // self.dp_size
+        rows = []
+        for _ in range(self.batch_size):
+            epoch, i = divmod(self.consumed, per_epoch)
+            w = int(self._cached(epoch)[i * self.dp_size + self.dp_rank])
+            start = w * self.seq_len
+            rows.append(self.tokens[start:start + self.seq_len + 1])
+            self.consumed += 1
+        batch = torch.stack(rows)
+        return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+
+    def _cached(self, epoch: int) -> torch.Tensor:
+        # One permutation per epoch, kept so a batch does not rebuild it per row.
+        if getattr(self, "_cache_epoch", None) != epoch:
+            self._cache, self._cache_epoch = self._order(epoch), epoch
+        return self._cache
+
+    def state_dict(self) -> dict[str, int]:
+        return {"consumed": self.consumed, "dp_rank": self.dp_rank, "dp_size": self.dp_size, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if (state["dp_size"], state["seed"]) != (self.dp_size, self.seed):
+            raise UserError(f"the checkpoint's data position is for dp={state['dp_size']} seed={state['seed']}, "
+                            f"this run has dp={self.dp_size} seed={self.seed}; resume with the same layout.")
+        self.consumed = int(state["consumed"])

@@ -1,0 +1,70 @@
+"""Config, tokenizer and data-stream checks that need no process group."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bimetal.errors import UserError
+from bimetal.train.config import load_config
+from bimetal.train.data import SHIPPED_CORPUS, TokenStream, load_tokens
+from bimetal.train.tokenizer import ByteTokenizer
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_precedence_cli_over_file_over_defaults(tmp_path: Path) -> None:
+    f = tmp_path / "c.toml"
+    f.write_text("[optim]\nlr = 0.01\nwarmup_steps = 3\n[parallel]\npp = 2\nlayers_per_stage = [3, 1]\n")
+    cfg = load_config(f, ["--optim.lr=0.5"])
+    assert cfg.optim.lr == 0.5 and cfg.optim.warmup_steps == 3 and cfg.optim.weight_decay == 0.1
+    assert cfg.parallel.layers_per_stage == [3, 1]
+    assert cfg.stage_split(4) == [3, 1]
+
+
+def test_unknown_key_names_key_and_file(tmp_path: Path) -> None:
+    f = tmp_path / "bad.toml"
+    f.write_text("[optim]\nlearning_rate = 1\n")
+    with pytest.raises(UserError, match=r"optim\.learning_rate.*bad\.toml"):
+        load_config(f)
+
+
+def test_split_must_sum_to_layers() -> None:
+    cfg = load_config(None, ["--parallel.pp=2", "--parallel.layers_per_stage=2,1"])
+    with pytest.raises(UserError, match="sums to 3.*4 layers"):
+        cfg.stage_split(4)
+
+
+def test_missing_data_file() -> None:
+    with pytest.raises(UserError, match="does not exist"):
+        load_tokens("/nonexistent/corpus.txt", ByteTokenizer())
+
+
+def test_byte_tokenizer_roundtrip_and_corpus() -> None:
+    tok = ByteTokenizer()
+    assert tok.decode(tok.encode("To be, or not — to be")) == "To be, or not — to be"
+    assert SHIPPED_CORPUS.stat().st_size > 300_000
+    assert len(load_tokens("", tok)) == SHIPPED_CORPUS.stat().st_size
+
+
+def test_jsonl_loader(tmp_path: Path) -> None:
+    f = tmp_path / "d.jsonl"
+    f.write_text(json.dumps({"text": "ab"}) + "\n" + json.dumps({"text": "c"}) + "\n")
+    assert load_tokens(str(f), ByteTokenizer()).tolist() == [97, 98, 256, 99, 256]
+
+
+def test_replicas_disjoint_and_resumable() -> None:
+    tokens = np.arange(10_001, dtype=np.int64)
+    a, b = TokenStream(tokens, 10, 4, 0, 2, seed=3), TokenStream(tokens, 10, 4, 1, 2, seed=3)
+    xa, ya = a.next_batch()
+    xb, _ = b.next_batch()
+    assert (ya[:, :-1] == xa[:, 1:]).all()
+    assert not set(xa[:, 0].tolist()) & set(xb[:, 0].tolist())
+    state = a.state_dict()
+    want = a.next_batch()[0]
+    c = TokenStream(tokens, 10, 4, 0, 2, seed=3)
+    c.load_state_dict(state)
+    assert (c.next_batch()[0] == want).all()

@@ -1,0 +1,132 @@
+"""The transfer-engine interface the device-direct proxy is written against.
+
+An engine moves bytes from local registered memory into a peer's registered memory (one-sided writes) and
+carries short text notifications. The proxy and the process group only use this interface, so a second
+engine (e.g. NIXL) is one more adapter module plus one entry in ``ENGINES``; nothing else changes.
+
+Also here: the choice of wire protocol from the topology (RDMA where verbs devices exist, TCP otherwise),
+overridable with ``BIMETAL_DD_PROTOCOL`` or the ``protocol`` option.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+import importlib
+import os
+from pathlib import Path
+from typing import Any
+
+PROTOCOL_ENV = "BIMETAL_DD_PROTOCOL"
+ENGINE_ENV = "BIMETAL_DD_ENGINE"
+VERBS_SYSFS = Path("/sys/class/infiniband")
+
+# engine name -> module with ``open_engine(host, protocol) -> Engine``
+ENGINES = {"mooncake": "bimetal.comm.device_direct.mooncake"}
+
+
+class EngineUnavailableError(RuntimeError):
+    """The engine cannot start here; the message names the missing piece and the fix in one sentence."""
+
+
+class PeerFailedError(RuntimeError):
+    """A one-sided write or probe to a peer failed (the peer died or became unreachable)."""
+
+
+class WriteStatus(enum.Enum):
+    PENDING = 0
+    DONE = 1
+    FAILED = 2
+
+
+class Engine(abc.ABC):
+    """One engine instance per process, owned by the proxy thread (methods are not called concurrently)."""
+
+    name: str
+    protocol: str
+
+    @abc.abstractmethod
+    def endpoint(self) -> dict[str, Any]:
+        """JSON-serialisable metadata a peer needs to reach this engine (published over the store)."""
+
+    @abc.abstractmethod
+    def connect(self, peer: int, endpoint: dict[str, Any]) -> None:
+        """Remember how to reach group rank ``peer``; ``endpoint`` is what that peer's ``endpoint()`` gave."""
+
+    @abc.abstractmethod
+    def register(self, ptr: int, nbytes: int, location: str) -> None:
+        """Register memory for one-sided access (``location``: ``cpu`` or ``cuda:N``)."""
+
+    @abc.abstractmethod
+    def unregister(self, ptr: int) -> None:
+        """Undo ``register`` for the region starting at ``ptr``."""
+
+    @property
+    def needs_source_registration(self) -> bool:
+        """Whether the local side of a write must be registered memory (true for RDMA)."""
+        return self.protocol != "tcp"
+
+    @abc.abstractmethod
+    def post_write(self, peer: int, local_ptr: int, remote_ptr: int, nbytes: int) -> int:
+        """Start an asynchronous write; returns a handle for ``poll``; raises PeerFailedError."""
+
+    @abc.abstractmethod
+    def poll(self, handle: int) -> WriteStatus:
+        """Status of a posted write (a DONE or FAILED handle is spent)."""
+
+    @abc.abstractmethod
+    def write(self, peer: int, local_ptr: int, remote_ptr: int, nbytes: int) -> None:
+        """Synchronous write (small control records); raises PeerFailedError."""
+
+    @abc.abstractmethod
+    def notify(self, peer: int, message: str) -> None:
+        """Deliver a short text message to the peer's ``notifications()``; raises PeerFailedError."""
+
+    @abc.abstractmethod
+    def notifications(self) -> list[str]:
+        """Messages that arrived since the last call, in arrival order."""
+
+    @abc.abstractmethod
+    def probe(self, peer: int) -> bool:
+        """Whether the peer's engine still answers."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release the engine (registered memory, listening socket)."""
+
+
+def verbs_devices() -> list[str]:
+    """RDMA verbs devices visible to this process (``/sys/class/infiniband``)."""
+    try:
+        return sorted(p.name for p in VERBS_SYSFS.iterdir())
+    except OSError:
+        return []
+
+
+def choose_protocol(requested: str | None = None) -> str:
+    """``rdma`` or ``tcp``: the request (option, else env), or RDMA where verbs devices exist, else TCP."""
+    choice = (requested or os.environ.get(PROTOCOL_ENV) or "auto").strip().lower()
+    if choice == "auto":
+        return "rdma" if verbs_devices() else "tcp"
+    if choice not in ("rdma", "tcp"):
+        raise EngineUnavailableError(
+            f"unknown device-direct protocol {choice!r}; "
+            f"set {PROTOCOL_ENV} (or the protocol option) to rdma, tcp or auto"
+        )
+    if choice == "rdma" and not verbs_devices():
+        raise EngineUnavailableError(
+            f"the rdma protocol was requested but no verbs device exists under {VERBS_SYSFS}; "
+            f"install the RDMA driver or set {PROTOCOL_ENV}=tcp"
+        )
+    return choice
+
+
+def open_engine(host: str, protocol: str, name: str | None = None) -> Engine:
+    """Start the named engine (option, else ``BIMETAL_DD_ENGINE``, else mooncake) on ``host``."""
+    engine_name = (name or os.environ.get(ENGINE_ENV) or "mooncake").strip().lower()
+    if engine_name not in ENGINES:
+        raise EngineUnavailableError(
+            f"unknown device-direct engine {engine_name!r}; set {ENGINE_ENV} to one of {', '.join(ENGINES)}"
+        )
+    module = importlib.import_module(ENGINES[engine_name])
+    return module.open_engine(host, protocol)

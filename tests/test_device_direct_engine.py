@@ -1,0 +1,71 @@
+"""Tests for the device-direct engine interface and its Mooncake adapter (real engine, TCP loopback, one process)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from bimetal.comm.device_direct.engine import EngineUnavailableError, WriteStatus, choose_protocol, open_engine
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _wait(engine, handle, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while (status := engine.poll(handle)) is WriteStatus.PENDING:
+        assert time.monotonic() < deadline, "write did not complete in time"
+        time.sleep(0.001)
+    return status
+
+
+@pytest.fixture()
+def pair():
+    a = open_engine("127.0.0.1", "tcp")
+    b = open_engine("127.0.0.1", "tcp")
+    a.connect(1, b.endpoint())
+    b.connect(0, a.endpoint())
+    yield a, b
+    a.close()
+    b.close()
+
+
+def test_write_is_bit_identical_and_notifies(pair):
+    a, b = pair
+    src = torch.randint(-(2**31), 2**31 - 1, (1 << 20,), dtype=torch.int32)
+    dst = torch.zeros_like(src)
+    nbytes = src.numel() * src.element_size()
+    a.register(src.data_ptr(), nbytes, "cpu")
+    b.register(dst.data_ptr(), nbytes, "cpu")
+    assert _wait(a, a.post_write(1, src.data_ptr(), dst.data_ptr(), nbytes)) is WriteStatus.DONE
+    assert torch.equal(src, dst)
+    a.notify(1, '{"seq": 1}')
+    deadline = time.monotonic() + 5
+    notes: list[str] = []
+    while not notes and time.monotonic() < deadline:
+        notes = b.notifications()
+        time.sleep(0.01)
+    assert notes == ['{"seq": 1}']
+    assert a.probe(1)
+
+
+def test_endpoint_mismatch_is_rejected(pair):
+    a, b = pair
+    with pytest.raises(ValueError, match="malformed"):
+        a.connect(2, {"engine": "nixl", "session": "x:1"})
+    with pytest.raises(EngineUnavailableError, match="BIMETAL_DD_PROTOCOL"):
+        a.connect(2, {**b.endpoint(), "protocol": "rdma"})
+
+
+def test_protocol_choice(monkeypatch, tmp_path):
+    monkeypatch.setattr("bimetal.comm.device_direct.engine.VERBS_SYSFS", tmp_path / "none")
+    assert choose_protocol() == "tcp"
+    with pytest.raises(EngineUnavailableError, match="no verbs device"):
+        choose_protocol("rdma")
+    with pytest.raises(EngineUnavailableError, match="unknown device-direct protocol"):
+        choose_protocol("carrier-pigeon")
+    monkeypatch.setenv("BIMETAL_DD_PROTOCOL", "tcp")
+    assert choose_protocol() == "tcp"
+    with pytest.raises(EngineUnavailableError, match="unknown device-direct engine"):
+        open_engine("127.0.0.1", "tcp", name="nope")

@@ -1,0 +1,87 @@
+"""Atomic checkpoints with ``torch.distributed.checkpoint``.
+
+Layout: ``<folder>/step-000010/`` holds the DCP shards of every rank plus ``meta.json`` (step, model
+family/flavour, layout) and, written last by rank 0 after a barrier, ``COMPLETE``. A folder without
+``COMPLETE`` is a half-written save and is never loaded. Everything is written into ``.tmp-step-N`` first and
+renamed once all ranks are done, so a crash leaves at most a temp folder that the next save replaces.
+Per-rank state that is not a tensor (data position, RNG) goes into ``extra-rank<R>.json``: JSON, not pickle.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from bimetal.errors import UserError
+
+MARKER = "COMPLETE"
+
+
+def _barrier(group: dist.ProcessGroup | None) -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier(group=group)
+
+
+def rng_state() -> dict[str, Any]:
+    """The CPU torch RNG as JSON-ready data."""
+    return {"torch_cpu": torch.get_rng_state().tolist()}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(torch.tensor(state["torch_cpu"], dtype=torch.uint8))
+
+
+def save(folder: str | Path, step: int, state: dict[str, Any], extra: dict[str, Any], meta: dict[str, Any],
+         rank: int = 0, group: dist.ProcessGroup | None = None) -> Path:
+    """Save ``state`` (tensors: model, optimizer) with DCP and ``extra`` (JSON) for this rank; returns the folder.
+
+    Every rank calls this; ``group`` is the group spanning all ranks (None = world). State keys must be unique
+    across ranks that hold different tensors (e.g. prefix by stage), since DCP merges them into one store.
+    """
+    root = Path(folder)
+    final, tmp = root / f"step-{step:06d}", root / f".tmp-step-{step:06d}"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _barrier(group)
+    dcp.save(state, checkpoint_id=str(tmp), process_group=group)
+    (tmp / f"extra-rank{rank}.json").write_text(json.dumps(extra))
+    _barrier(group)
+    if rank == 0:
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+        (final / MARKER).write_text(str(step))
+    _barrier(group)
+    return final
+
+
+def latest(folder: str | Path) -> Path | None:
+    """The newest complete checkpoint under ``folder``, or None."""
+    root = Path(folder)
+    if not root.is_dir():
+        return None
+    done = sorted(p for p in root.glob("step-*") if (p / MARKER).is_file())
+    return done[-1] if done else None
+
+
+def check_meta(path: Path, meta: dict[str, Any]) -> dict[str, Any]:
+    """Raise ``UserError`` if the checkpoint at ``path`` was written for another model or layout."""
+    saved = json.loads((path / "meta.json").read_text())
+    for key in ("family", "flavour", "layers_per_stage", "dp"):
+        if saved.get(key) != meta.get(key):
+            raise UserError(f"checkpoint {path} is for {key}={saved.get(key)!r} but this run has {key}="
+                            f"{meta.get(key)!r}; point checkpoint.folder elsewhere or match the config.")
+    return saved
+
+
+def load(path: Path, state: dict[str, Any], rank: int, group: dist.ProcessGroup | None = None) -> dict[str, Any]:
+    """Load tensors into ``state`` in place and return this rank's JSON extra."""
+    dcp.load(state, checkpoint_id=str(path), process_group=group)
+    return json.loads((path / f"extra-rank{rank}.json").read_text())

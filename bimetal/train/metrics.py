@@ -1,0 +1,79 @@
+"""Per-step metrics: loss, tokens/s, MFU, cross-vendor communication time and bytes.
+
+Rank 0 prints a progress line and appends one JSON object per step to ``<run_dir>/metrics.jsonl``.
+MFU needs the device's peak from ``bimetal.topology.devices``; an unknown device (CPU simulation
+included) gives ``None``, printed as ``unknown`` - never a guessed number.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from bimetal.topology import devices
+
+
+def peak_flops(device_name: str | None) -> float | None:
+    """Peak bf16 FLOP/s of a named device, or None when the table does not know it."""
+    if not device_name:
+        return None
+    spec = devices.lookup(device_name)
+    return spec.peak_bf16_flops if spec else None
+
+
+class StepMetrics:
+    """Collects per-step records; writes JSONL and the console line on rank 0."""
+
+    def __init__(self, run_dir: str | Path, rank: int, flops_per_token: float, peak: float | None,
+                 log_every: int = 1, tensorboard: bool = False) -> None:
+        self.rank, self.flops_per_token, self.peak, self.log_every = rank, flops_per_token, peak, log_every
+        self.records: list[dict[str, Any]] = []
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self._tb = None
+        if rank == 0:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if tensorboard:
+                try:
+                    from torch.utils.tensorboard import SummaryWriter
+
+                    self._tb = SummaryWriter(str(self.path.parent / "tb"))
+                except ImportError:  # optional: only when tensorboard is installed
+                    self._tb = None
+
+    def log(self, step: int, loss: float, tokens: int, seconds: float, lr: float, grad_norm: float,
+            comm_s: float, comm_bytes: int, n_devices: int) -> dict[str, Any]:
+        tps = tokens / seconds if seconds > 0 else 0.0
+        mfu = (tps * self.flops_per_token / (self.peak * n_devices)) if self.peak else None
+        rec = {"step": step, "loss": loss, "tokens_per_s": tps, "mfu": mfu, "lr": lr, "grad_norm": grad_norm,
+               "step_s": seconds, "xvendor_comm_s": comm_s, "xvendor_bytes": comm_bytes, "time": time.time()}
+        self.records.append(rec)
+        if self.rank == 0:
+            with self.path.open("a") as f:
+                f.write(json.dumps(rec) + "\n")
+            if self._tb is not None:
+                for k in ("loss", "tokens_per_s", "lr", "grad_norm"):
+                    self._tb.add_scalar(k, rec[k], step)
+            if step % self.log_every == 0:
+                mfu_s = f"{mfu * 100:.1f}%" if mfu is not None else "unknown"
+                print(f"step {step:5d} | loss {loss:.4f} | {tps:9.0f} tok/s | mfu {mfu_s} | lr {lr:.2e} | "
+                      f"xvendor {comm_s * 1e3:.0f} ms {comm_bytes / 1e6:.2f} MB", flush=True)
+        return rec
+
+    def summary(self, transport: str) -> dict[str, Any]:
+        """Loss start/end, tokens/s median and spread (first step left out as warm-up when there are more)."""
+        if not self.records:
+            return {}
+        tps = [r["tokens_per_s"] for r in (self.records[1:] if len(self.records) > 1 else self.records)]
+        out = {"steps": len(self.records), "loss_start": self.records[0]["loss"], "loss_end": self.records[-1]["loss"],
+               "tokens_per_s_median": statistics.median(tps), "tokens_per_s_min": min(tps),
+               "tokens_per_s_max": max(tps), "pp_transport": transport,
+               "xvendor_bytes": sum(r["xvendor_bytes"] for r in self.records),
+               "xvendor_comm_s": sum(r["xvendor_comm_s"] for r in self.records)}
+        if self.rank == 0:
+            (self.path.parent / "summary.json").write_text(json.dumps(out, indent=1))
+            if self._tb is not None:
+                self._tb.close()
+        return out

@@ -1,0 +1,89 @@
+"""`bimetal plan`: rank layouts for a cluster spec; `bimetal profile` entry point."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import tomli_w
+
+from bimetal.errors import UserError
+from bimetal.plan import cost
+from bimetal.plan.explain import breakdown, explain
+from bimetal.plan.search import Plan, homogeneous, search
+from bimetal.plan.spec import load_spec
+
+
+def plan_to_train_config(p: Plan) -> dict[str, object]:
+    """The trainer config for a plan (keys reported to the lead; checked against bimetal.train.config)."""
+    return {"model": {"flavour": p.model, "seq_len": p.seq},
+            "parallel": {"pp": p.pp, "dp": p.dp, "tp": p.tp, "pp_transport": p.transport,
+                         "layer_split": p.layer_split},
+            "train": {"micro_batch": p.micro_batch, "microbatches": p.microbatches,
+                      "global_batch": p.micro_batch * p.microbatches * p.dp}}
+
+
+def _best_tps(spec_path: str, vendor: str, model: str, seq: int, gb: int, spec: object) -> float:
+    from bimetal.plan.spec import ClusterSpec
+    assert isinstance(spec, ClusterSpec)
+    h = homogeneous(spec, vendor)
+    if h is None:
+        return 0.0
+    ok, _ = search(h, model, seq, gb)
+    return ok[0].tokens_per_s if ok else 0.0
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="bimetal plan", description=__doc__)
+    ap.add_argument("spec", help="cluster spec TOML (see configs/clusters/)")
+    ap.add_argument("--model", default="llama3-8b", help=f"model flavour: {', '.join(cost.MODELS)}")
+    ap.add_argument("--seq", type=int, default=8192)
+    ap.add_argument("--global-batch", type=int, default=256, help="sequences per optimizer step")
+    ap.add_argument("--top", type=int, default=10)
+    ap.add_argument("--json", action="store_true", help="machine-readable output")
+    ap.add_argument("--write", metavar="PATH", help="write the best plan as a `bimetal train` config TOML")
+    ap.add_argument("--explain", action="store_true", help="step-time breakdown of the best plan")
+    a = ap.parse_args(argv)
+    if a.model not in cost.MODELS:
+        raise UserError(f"unknown model flavour {a.model!r}; pass --model one of {', '.join(cost.MODELS)}.")
+    spec = load_spec(a.spec)
+    ok, rejected = search(spec, a.model, a.seq, a.global_batch)
+    if not ok:
+        reasons = "; ".join(sorted({r.rejected for r in rejected})[:3]) or "no layout tiles the cluster"
+        raise UserError(f"no feasible plan for {a.model} on {a.spec}: {reasons}; use more GPUs or a shorter --seq.")
+    homog = {v: _best_tps(a.spec, v, a.model, a.seq, a.global_batch, spec) for v in ("nvidia", "amd")}
+    if a.json:
+        out = {"plans": [asdict(p) | {"ratio_nvidia": p.tokens_per_s / homog["nvidia"] if homog["nvidia"] else None,
+                                      "ratio_amd": p.tokens_per_s / homog["amd"] if homog["amd"] else None}
+                         for p in ok[:a.top]],
+               "rejected": [{"pp": p.pp, "dp": p.dp, "tp": p.tp, "micro_batch": p.micro_batch, "reason": p.rejected}
+                            for p in rejected],
+               "homogeneous_tokens_per_s": homog, "best_breakdown": breakdown(ok[0])}
+        print(json.dumps(out, indent=1))
+    else:
+        print(f"{a.model} seq={a.seq} global_batch={a.global_batch} on {a.spec} ({spec.total_gpus} GPUs)")
+        print(f"{'#':>2} {'pp':>2} {'dp':>2} {'tp':>2} {'mb':>2} {'m':>4} {'transport':<13} {'split':<24} "
+              f"{'tok/s':>9} {'TF/GPU':>6} {'xNV':>5} {'xAMD':>5} {'mem GB/stage':<20} bottleneck")
+        for i, p in enumerate(ok[:a.top]):
+            rn = f"{p.tokens_per_s / homog['nvidia']:.2f}" if homog["nvidia"] else "-"
+            ra = f"{p.tokens_per_s / homog['amd']:.2f}" if homog["amd"] else "-"
+            mem = ",".join(f"{x / 1e9:.0f}" for x in p.memory)
+            split = ",".join(map(str, p.layer_split))
+            print(f"{i + 1:>2} {p.pp:>2} {p.dp:>2} {p.tp:>2} {p.micro_batch:>2} {p.microbatches:>4} "
+                  f"{p.transport:<13} {split[:24]:<24} {p.tokens_per_s:>9,.0f} {p.tflops_per_gpu:>6.0f} "
+                  f"{rn:>5} {ra:>5} {mem[:20]:<20} {p.bottleneck}")
+        print(f"{len(rejected)} plans rejected for memory, e.g.: {rejected[0].rejected}" if rejected else "")
+        if a.explain:
+            print(explain(ok[0], homog))
+    if a.write:
+        Path(a.write).write_text(tomli_w.dumps(plan_to_train_config(ok[0])))
+        if not a.json:
+            print(f"best plan written to {a.write}")
+    return 0
+
+
+def profile_main(argv: list[str]) -> int:
+    raise UserError("bimetal profile is not implemented yet; use the FLOP-based cost model (set 'efficiency' "
+                    "in the cluster spec to calibrate).")

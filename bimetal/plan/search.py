@@ -1,0 +1,218 @@
+"""Search over pp/dp/tp degrees, uneven layer splits, microbatching and transports.
+
+Stages are vendor-homogeneous: stage j runs on dp*tp GPUs of one node group, groups fill stages in
+file order. With pp = 1, data parallelism spans all groups (hierarchical all-reduce across vendors).
+The step time is the 1F1B estimate: (m + p - 1) slots of the slowest stage, plus the exposed DP
+all-reduce (not overlapped with backward, a conservative choice).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from bimetal.plan import cost
+from bimetal.plan.spec import ClusterSpec, NodeGroup
+
+TRANSPORTS = ("cpu-forward", "device-direct")
+MEMORY_RESERVE = 0.9
+"""Fraction of device memory the planner lets a stage use (allocator fragmentation, workspaces)."""
+
+
+@dataclass
+class Plan:
+    """One candidate layout and its predicted costs."""
+
+    model: str
+    seq: int
+    pp: int
+    dp: int
+    tp: int
+    micro_batch: int
+    microbatches: int
+    transport: str
+    layer_split: list[int]
+    stage_groups: list[str]
+    stage_compute: list[float] = field(default_factory=list)
+    """Seconds of fwd+bwd compute per microbatch, per stage."""
+    stage_comm: list[float] = field(default_factory=list)
+    """Exposed boundary-transfer seconds per microbatch, per stage."""
+    tp_comm: float = 0.0
+    dp_allreduce: float = 0.0
+    step_seconds: float = 0.0
+    tokens_per_s: float = 0.0
+    tflops_per_gpu: float = 0.0
+    memory: list[int] = field(default_factory=list)
+    rejected: str = ""
+    bottleneck: str = ""
+
+    @property
+    def gpus(self) -> int:
+        return self.pp * self.dp * self.tp
+
+
+def _stage_time(m: cost.ModelDims, g: NodeGroup, layers: int, last: bool, tp: int, tokens: int, seq: int) -> float:
+    flops = layers * cost.layer_flops_per_token(m, seq) + (cost.head_flops_per_token(m) if last else 0.0)
+    return flops * tokens / (g.achieved_flops * tp)
+
+
+def balance_layers(m: cost.ModelDims, groups: list[NodeGroup], tp: int, tokens: int, seq: int) -> list[int]:
+    """Contiguous split of m.layers over the stages minimising the slowest stage (exact DP).
+
+    Every stage gets at least one layer; the last stage also carries the output head.
+    """
+    p, L = len(groups), m.layers
+    inf = float("inf")
+    # best[j][k]: minimal max stage time placing the first k layers on the first j stages
+    best = [[inf] * (L + 1) for _ in range(p + 1)]
+    cut = [[0] * (L + 1) for _ in range(p + 1)]
+    best[0][0] = 0.0
+    for j in range(1, p + 1):
+        for k in range(j, L - (p - j) + 1):
+            for i in range(j - 1, k):
+                t = _stage_time(m, groups[j - 1], k - i, j == p, tp, tokens, seq)
+                v = max(best[j - 1][i], t)
+                if v < best[j][k]:
+                    best[j][k], cut[j][k] = v, i
+    split, k = [], L
+    for j in range(p, 0, -1):
+        i = cut[j][k]
+        split.append(k - i)
+        k = i
+    return split[::-1]
+
+
+def _net_gbps(g: NodeGroup, ranks_per_node: int) -> float:
+    # Each boundary rank gets its share of the node's NICs (at least one, shared if fewer NICs than ranks).
+    nics = max(1.0, g.nics_per_node / ranks_per_node)
+    share = min(1.0, g.nics_per_node / ranks_per_node)
+    return nics * share * g.nic_gbps / 8
+
+
+def evaluate(spec: ClusterSpec, model: str, seq: int, global_batch: int, pp: int, dp: int, tp: int,
+             micro_batch: int, transport: str, split: list[int] | None = None) -> Plan | None:
+    """Predict one layout; None when the degrees do not tile the cluster. A plan over memory is returned
+    with ``rejected`` set."""
+    m = cost.model_dims(model)
+    if pp > m.layers or global_batch % (dp * micro_batch):
+        return None
+    width = dp * tp
+    stage_groups: list[NodeGroup] = []
+    for g in spec.groups:
+        if tp > g.gpus_per_node or g.gpus_per_node % tp:
+            return None
+        if pp == 1:
+            continue
+        if g.gpus % width:
+            return None
+        stage_groups += [g] * (g.gpus // width)
+    if pp == 1:
+        if width != spec.total_gpus:
+            return None
+        # Mixed-vendor data parallelism: every replica waits for the slowest device.
+        slow = min(spec.groups, key=lambda x: x.achieved_flops)
+        small = min(spec.groups, key=lambda x: x.memory_bytes)
+        stage_groups = [replace(slow, memory_bytes=small.memory_bytes, gpu=f"{slow.gpu}/{small.gpu}")]
+    elif len(stage_groups) != pp:
+        return None
+    mbs = global_batch // (dp * micro_batch)
+    tokens = micro_batch * seq
+    layers = split or balance_layers(m, stage_groups, tp, tokens, seq)
+    plan = Plan(model, seq, pp, dp, tp, micro_batch, mbs, transport, layers, [g.name for g in stage_groups])
+    act = cost.activation_bytes(micro_batch, seq, m.dim) / tp
+    for j, g in enumerate(stage_groups):
+        plan.stage_compute.append(_stage_time(m, g, layers[j], j == pp - 1, tp, tokens, seq))
+        comm = 0.0
+        for nb in (j - 1, j + 1):  # activation in / out and its gradient, one per microbatch each
+            if 0 <= nb < pp:
+                other = stage_groups[nb]
+                # Neighbouring stages of one group share a node unless the boundary falls on a node edge.
+                same_node = (other is g and width < g.gpus_per_node
+                             and (min(j, nb) + 1) * width % g.gpus_per_node != 0)
+                if same_node:
+                    comm += act / (g.intra_gbps * 1e9)
+                else:
+                    tr = transport if other.vendor != g.vendor else "device-direct"
+                    if tr == "device-direct" and not (g.gpudirect and other.gpudirect):
+                        tr = "cpu-forward"
+                    net = min(_net_gbps(g, min(width, g.gpus_per_node)),
+                              _net_gbps(other, min(width, other.gpus_per_node)))
+                    comm += cost.transfer_seconds(act, tr, net, g.h2d_gbps, other.h2d_gbps)
+        plan.stage_comm.append(comm)
+        in_flight = min(mbs, pp - j)
+        mem = cost.stage_memory_bytes(m, layers[j], j == 0, j == pp - 1, tp, micro_batch, seq, in_flight)
+        plan.memory.append(mem)
+        if mem > g.memory_bytes * MEMORY_RESERVE and not plan.rejected:
+            plan.rejected = (f"stage {j} needs {mem / 1e9:.1f} GB per GPU, over {MEMORY_RESERVE:.0%} of the "
+                             f"{g.memory_bytes / 1e9:.0f} GB of a {g.gpu}")
+    if tp > 1:
+        g0 = stage_groups[0]
+        # Megatron TP: 4 all-reduces of b*s*h per layer (2 forward, 2 backward).
+        full = cost.activation_bytes(micro_batch, seq, m.dim)
+        per_layer = 4 * cost.ring_allreduce_seconds(full, tp, g0.intra_gbps)
+        plan.tp_comm = per_layer * max(layers)
+    slot = max(c + x for c, x in zip(plan.stage_compute, plan.stage_comm)) + plan.tp_comm
+    plan.dp_allreduce = _dp_allreduce(spec, m, plan, stage_groups, transport)
+    plan.step_seconds = (mbs + pp - 1) * slot + plan.dp_allreduce
+    plan.tokens_per_s = global_batch * seq / plan.step_seconds
+    plan.tflops_per_gpu = plan.tokens_per_s * cost.flops_per_token(m, seq) / plan.gpus / 1e12
+    plan.bottleneck = _bottleneck(plan)
+    return plan
+
+
+def _dp_allreduce(spec: ClusterSpec, m: cost.ModelDims, plan: Plan, groups: list[NodeGroup], transport: str) -> float:
+    if plan.dp == 1:
+        return 0.0
+    if plan.pp == 1:  # hierarchical across vendor groups, gradients in bf16
+        nbytes = 2 * m.params / plan.tp
+        local = min(g.gpus // plan.tp for g in spec.groups)
+        slow = min(spec.groups, key=lambda g: g.intra_gbps)
+        net = min(_net_gbps(g, g.gpus_per_node) for g in spec.groups) * local
+        per_byte = 1 / (net * 1e9)
+        if transport == "cpu-forward":
+            per_byte += 1 / (min(g.h2d_gbps for g in spec.groups) * 1e9) * 2 / cost.CHUNKS
+        return cost.hierarchical_allreduce_seconds(nbytes, local, len(spec.groups), slow.intra_gbps, per_byte)
+    worst = 0.0
+    for j, g in enumerate(groups):
+        params = plan.layer_split[j] * m.layer_params + (m.embed_params if j == 0 else 0)
+        params += m.head_params if j == plan.pp - 1 else 0
+        inside = plan.dp * plan.tp <= g.gpus_per_node
+        bw = g.intra_gbps if inside else _net_gbps(g, g.gpus_per_node) * g.gpus_per_node
+        worst = max(worst, cost.ring_allreduce_seconds(2 * params / plan.tp, plan.dp, bw))
+    return worst
+
+
+def _bottleneck(p: Plan) -> str:
+    j = max(range(p.pp), key=lambda i: p.stage_compute[i] + p.stage_comm[i])
+    terms = {f"compute stage {j} ({p.stage_groups[j]})": p.stage_compute[j] * p.microbatches,
+             f"boundary transfer stage {j}": p.stage_comm[j] * p.microbatches,
+             "pipeline bubble": (p.pp - 1) * (p.stage_compute[j] + p.stage_comm[j]),
+             "dp all-reduce": p.dp_allreduce, "tp all-reduce": p.tp_comm * p.microbatches}
+    return max(terms, key=lambda k: terms[k])
+
+
+def search(spec: ClusterSpec, model: str, seq: int, global_batch: int) -> tuple[list[Plan], list[Plan]]:
+    """All feasible plans, best first, and the rejected ones (over memory)."""
+    n = spec.total_gpus
+    ok, rejected = [], []
+    for tp in (1, 2, 4, 8):
+        for pp in range(1, n // tp + 1):
+            if (n // tp) % pp:
+                continue
+            dp = n // tp // pp
+            for b in (1, 2, 4):
+                for tr in TRANSPORTS:
+                    p = evaluate(spec, model, seq, global_batch, pp, dp, tp, b, tr)
+                    if p is None:
+                        continue
+                    (rejected if p.rejected else ok).append(p)
+    ok.sort(key=lambda p: -p.tokens_per_s)
+    return ok, rejected
+
+
+def homogeneous(spec: ClusterSpec, vendor: str) -> ClusterSpec | None:
+    """The same number of GPUs, all of the first group of ``vendor``; None if the cluster has none."""
+    src = next((g for g in spec.groups if g.vendor == vendor), None)
+    if src is None:
+        return None
+    count = -(-spec.total_gpus // src.gpus_per_node)
+    return ClusterSpec(spec.path, (replace(src, count=count),))

@@ -13,21 +13,23 @@ from bimetal.errors import UserError
 from bimetal.plan import cost
 from bimetal.plan.explain import breakdown, explain
 from bimetal.plan.search import Plan, homogeneous, search
-from bimetal.plan.spec import load_spec
+from bimetal.plan.spec import ClusterSpec, load_spec
 
 
 def plan_to_train_config(p: Plan) -> dict[str, object]:
-    """The trainer config for a plan (keys reported to the lead; checked against bimetal.train.config)."""
-    return {"model": {"flavour": p.model, "seq_len": p.seq},
-            "parallel": {"pp": p.pp, "dp": p.dp, "tp": p.tp, "pp_transport": p.transport,
-                         "layer_split": p.layer_split},
-            "train": {"micro_batch": p.micro_batch, "microbatches": p.microbatches,
-                      "global_batch": p.micro_batch * p.microbatches * p.dp}}
+    """The `bimetal train` config (bimetal.train.config keys) for a plan the trainer can run."""
+    return {"model": {"family": p.model.split("-")[0], "flavour": p.model},
+            "parallel": {"pp": p.pp, "dp": p.dp, "layers_per_stage": p.layer_split, "schedule": "1f1b",
+                         "microbatches": p.microbatches, "pp_transport": p.transport},
+            "data": {"seq_len": p.seq, "batch_size": p.micro_batch * p.microbatches}}
 
 
-def _best_tps(spec_path: str, vendor: str, model: str, seq: int, gb: int, spec: object) -> float:
-    from bimetal.plan.spec import ClusterSpec
-    assert isinstance(spec, ClusterSpec)
+def trainable(p: Plan, vendors: int) -> bool:
+    """Whether `bimetal train` runs this layout: it has no tensor parallelism and keeps DP inside a vendor."""
+    return p.tp == 1 and (p.pp > 1 or vendors == 1)
+
+
+def _best_tps(vendor: str, model: str, seq: int, gb: int, spec: ClusterSpec) -> float:
     h = homogeneous(spec, vendor)
     if h is None:
         return 0.0
@@ -53,7 +55,7 @@ def main(argv: list[str]) -> int:
     if not ok:
         reasons = "; ".join(sorted({r.rejected for r in rejected})[:3]) or "no layout tiles the cluster"
         raise UserError(f"no feasible plan for {a.model} on {a.spec}: {reasons}; use more GPUs or a shorter --seq.")
-    homog = {v: _best_tps(a.spec, v, a.model, a.seq, a.global_batch, spec) for v in ("nvidia", "amd")}
+    homog = {v: _best_tps(v, a.model, a.seq, a.global_batch, spec) for v in ("nvidia", "amd")}
     if a.json:
         out = {"plans": [asdict(p) | {"ratio_nvidia": p.tokens_per_s / homog["nvidia"] if homog["nvidia"] else None,
                                       "ratio_amd": p.tokens_per_s / homog["amd"] if homog["amd"] else None}
@@ -78,9 +80,14 @@ def main(argv: list[str]) -> int:
         if a.explain:
             print(explain(ok[0], homog))
     if a.write:
-        Path(a.write).write_text(tomli_w.dumps(plan_to_train_config(ok[0])))
+        runnable = [p for p in ok if trainable(p, len({g.vendor for g in spec.groups}))]
+        if not runnable:
+            raise UserError(f"no plan for {a.model} on {a.spec} fits `bimetal train` (tp=1, pp>1 across vendors); "
+                            "use GPUs with more memory or a shorter --seq.")
+        Path(a.write).write_text(tomli_w.dumps(plan_to_train_config(runnable[0])))
         if not a.json:
-            print(f"best plan written to {a.write}")
+            rank = ok.index(runnable[0]) + 1
+            print(f"best plan `bimetal train` can run (#{rank}) written to {a.write}")
     return 0
 
 

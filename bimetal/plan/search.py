@@ -193,7 +193,8 @@ def _bottleneck(p: Plan) -> str:
 def search(spec: ClusterSpec, model: str, seq: int, global_batch: int) -> tuple[list[Plan], list[Plan]]:
     """All feasible plans, best first, and the rejected ones (over memory)."""
     n = spec.total_gpus
-    ok, rejected = [], []
+    ok: list[Plan] = []
+    rejected: list[Plan] = []
     for tp in (1, 2, 4, 8):
         for pp in range(1, n // tp + 1):
             if (n // tp) % pp:

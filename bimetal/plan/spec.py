@@ -7,10 +7,11 @@ whole training layer reaches less than a bare GEMM (HARDWARE.md: ~60% MFU on H10
 
 from __future__ import annotations
 
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 from bimetal.errors import UserError
 from bimetal.topology.devices import lookup

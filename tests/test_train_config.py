@@ -68,3 +68,29 @@ def test_replicas_disjoint_and_resumable() -> None:
     c = TokenStream(tokens, 10, 4, 0, 2, seed=3)
     c.load_state_dict(state)
     assert (c.next_batch()[0] == want).all()
+
+
+def test_lr_schedule_warmup_then_cosine() -> None:
+    from bimetal.train.optim import lr_factor
+
+    assert lr_factor(0, 100, 10, 0.1) == pytest.approx(0.1)
+    assert lr_factor(9, 100, 10, 0.1) == pytest.approx(1.0)
+    assert lr_factor(10, 100, 10, 0.1) == pytest.approx(1.0)
+    assert lr_factor(100, 100, 10, 0.1) == pytest.approx(0.1)
+    assert lr_factor(55, 100, 10, 0.1) == pytest.approx(0.55)
+
+
+def test_clip_single_process_matches_torch() -> None:
+    import torch
+
+    from bimetal.train.optim import clip_global_norm
+
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(3, 3), torch.nn.Linear(3, 3)
+    b.load_state_dict(a.state_dict())
+    for m in (a, b):
+        (m(torch.ones(2, 3)) * 10).sum().backward()
+    want = float(torch.nn.utils.clip_grad_norm_(b.parameters(), 0.5))
+    got = clip_global_norm(a, 0.5, None, 1)
+    assert got == pytest.approx(want, rel=1e-6)
+    assert all(torch.allclose(p.grad, q.grad, rtol=1e-5) for p, q in zip(a.parameters(), b.parameters()))

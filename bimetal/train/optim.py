@@ -1,0 +1,74 @@
+"""Optimizer glue: AdamW, warm-up + cosine schedule, dp gradient averaging, global-norm clipping.
+
+The clip norm is one scalar over every stage and replica: each rank sums the squares of its own gradients
+(its stage's parameters), the sum is all-reduced over the pp group (stages hold disjoint parameters), and
+replicas hold equal averaged gradients after the dp all-reduce, so no dp reduction is needed for the norm.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from bimetal.train.config import OptimConfig
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (norm gains and biases are not decayed)."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    other = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": other, "weight_decay": 0.0}]
+    # foreach=False keeps the CPU update order fixed, so runs are bit-for-bit repeatable.
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=False)
+
+
+def lr_factor(step: int, total: int, warmup: int, min_ratio: float) -> float:
+    """Multiplier of the peak lr at ``step`` (0-based): linear warm-up, then cosine down to ``min_ratio``."""
+    if warmup > 0 and step < warmup:
+        return (step + 1) / warmup
+    span = max(1, total - warmup)
+    progress = min(1.0, (step - warmup) / span)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def build_scheduler(
+    opt: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """Per-step LambdaLR applying ``lr_factor``."""
+    return torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: lr_factor(s, total_steps, cfg.warmup_steps, cfg.min_lr_ratio))
+
+
+def average_gradients(model: nn.Module, group: dist.ProcessGroup | None, size: int) -> None:
+    """Average gradients over the dp group: one flat all-reduce per step rather than one per tensor."""
+    if size <= 1:
+        return
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    flat /= size
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def clip_global_norm(model: nn.Module, max_norm: float, pp_group: dist.ProcessGroup | None, pp_size: int) -> float:
+    """Clip to ``max_norm`` by the norm over all stages; returns the norm before clipping."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    sq = torch.zeros((), dtype=torch.float32)
+    for g in grads:
+        sq += g.detach().float().pow(2).sum()
+    if pp_size > 1:
+        dist.all_reduce(sq, group=pp_group)
+    norm = float(sq.sqrt())
+    if max_norm > 0 and norm > max_norm:
+        scale = max_norm / (norm + 1e-6)
+        for g in grads:
+            g.mul_(scale)
+    return norm

@@ -106,3 +106,17 @@ def test_bad_spec_names_key_and_file(tmp_path: Path) -> None:
         load_spec(bad)
     with pytest.raises(UserError, match="not found"):
         load_spec(tmp_path / "missing.toml")
+
+
+def test_lab_spec_from_profile(tmp_path: Path) -> None:
+    (tmp_path / "cpu.json").write_text(json.dumps({"achieved_flops": 1e10}))
+    g = {"vendor": "cpu", "gpu": "cpu", "gpus_per_node": 1, "nics_per_node": 1, "nic_gbps": 1.0,
+         "intra_gbps": 1.0, "memory_gb": 4.0, "profile": "cpu.json"}
+    spec = parse_spec({"group": [g | {"name": "fast"}, g | {"name": "slow", "cpu_share": 0.5}]},
+                      str(tmp_path / "lab.toml"))
+    assert [x.achieved_flops for x in spec.groups] == [1e10, 5e9]
+    p = evaluate(spec, "debug", 128, 8, pp=2, dp=1, tp=1, micro_batch=1, transport="cpu-forward")
+    assert p is not None and p.layer_split == [3, 1]  # the capped rank holds fewer layers (and the head)
+    (tmp_path / "cpu.json").write_text("{}")
+    with pytest.raises(UserError, match=r"lab\.toml.*'profile'"):
+        parse_spec({"group": [g]}, str(tmp_path / "lab.toml"))

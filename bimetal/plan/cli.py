@@ -12,6 +12,7 @@ import tomli_w
 from bimetal.errors import UserError
 from bimetal.plan import cost
 from bimetal.plan.explain import breakdown, explain
+from bimetal.plan.profile import profile_main  # noqa: F401  (bimetal profile entry)
 from bimetal.plan.search import Plan, homogeneous, search
 from bimetal.plan.spec import ClusterSpec, load_spec
 
@@ -89,8 +90,3 @@ def main(argv: list[str]) -> int:
             rank = ok.index(runnable[0]) + 1
             print(f"best plan `bimetal train` can run (#{rank}) written to {a.write}")
     return 0
-
-
-def profile_main(argv: list[str]) -> int:
-    raise UserError("bimetal profile is not implemented yet; use the FLOP-based cost model (set 'efficiency' "
-                    "in the cluster spec to calibrate).")

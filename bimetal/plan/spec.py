@@ -3,6 +3,8 @@
 Each ``[[group]]`` describes identical nodes. Peak BF16 and memory default from the device table;
 ``efficiency`` (achievable fraction of peak) defaults to measured GEMM ceiling / peak x 0.75, because a
 whole training layer reaches less than a bare GEMM (HARDWARE.md: ~60% MFU on H100 vs 80% GEMM ceiling).
+A group may instead name a ``profile`` (JSON from ``bimetal profile``, path relative to the spec) and a
+``cpu_share`` (lab ranks capped to part of a core): its compute rate is then measured x share.
 """
 
 from __future__ import annotations
@@ -87,17 +89,26 @@ def parse_spec(data: dict[str, Any], path: str) -> ClusterSpec:
             raise UserError(f"{where}: key 'vendor' must be 'nvidia', 'amd' or 'cpu', got {vendor!r}.")
         gpu = _get(t, "gpu", str, where)
         dev = lookup(gpu)
-        peak = _get(t, "peak_bf16_tflops", float, where, dev.peak_bf16_tflops if dev else None) * 1e12 \
-            if dev or "peak_bf16_tflops" in t else None
-        if peak is None:
-            raise UserError(f"{where}: key 'gpu' = {gpu!r} is not in the device table; set 'peak_bf16_tflops' "
-                            "and 'memory_gb' for it.")
+        if "profile" in t:
+            # A measured profile replaces peak x efficiency; cpu_share scales it for capped lab ranks.
+            from bimetal.plan.profile import load_profile
+            share = _get(t, "cpu_share", float, where, 1.0)
+            if share > 1.0:
+                raise UserError(f"{where}: key 'cpu_share' is a fraction of a core's time and must be <= 1.")
+            peak, eff = load_profile(str(Path(path).parent / _get(t, "profile", str, where)), where), share
+        else:
+            if dev is None and "peak_bf16_tflops" not in t:
+                raise UserError(f"{where}: key 'gpu' = {gpu!r} is not in the device table; set "
+                                "'peak_bf16_tflops' and 'memory_gb' for it, or 'profile'.")
+            peak = _get(t, "peak_bf16_tflops", float, where, dev.peak_bf16_tflops if dev else None) * 1e12
+            eff_default = (dev.measured_bf16_tflops / dev.peak_bf16_tflops * 0.75
+                           if dev and dev.measured_bf16_tflops else 0.5)
+            eff = _get(t, "efficiency", float, where, eff_default)
+            if eff > 1.0:
+                raise UserError(f"{where}: key 'efficiency' is a fraction of peak and must be <= 1, got {eff}.")
+        if dev is None and "memory_gb" not in t:
+            raise UserError(f"{where}: key 'memory_gb' missing for {gpu!r}, which is not in the device table.")
         mem = _get(t, "memory_gb", float, where, dev.memory_gb if dev else None)
-        eff_default = (dev.measured_bf16_tflops / dev.peak_bf16_tflops * 0.75
-                       if dev and dev.measured_bf16_tflops else 0.5)
-        eff = _get(t, "efficiency", float, where, eff_default)
-        if eff > 1.0:
-            raise UserError(f"{where}: key 'efficiency' is a fraction of peak and must be <= 1, got {eff}.")
         groups.append(NodeGroup(
             name=str(t.get("name", f"{vendor}{i}")), count=_get(t, "count", int, where, 1), vendor=vendor,
             gpu=dev.name if dev else gpu, gpus_per_node=_get(t, "gpus_per_node", int, where),

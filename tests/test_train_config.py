@@ -94,3 +94,9 @@ def test_clip_single_process_matches_torch() -> None:
     got = clip_global_norm(a, 0.5, None, 1)
     assert got == pytest.approx(want, rel=1e-6)
     assert all(torch.allclose(p.grad, q.grad, rtol=1e-5) for p, q in zip(a.parameters(), b.parameters()))
+
+
+@pytest.mark.parametrize("name", ["demo.toml", "llama3-8b-2x8.toml", "qwen2-7b-2x8.toml"])
+def test_shipped_configs_load(name: str) -> None:
+    cfg = load_config(Path(__file__).resolve().parent.parent / "configs" / name)
+    assert sum(cfg.parallel.layers_per_stage) in (4, 28, 32) and cfg.parallel.pp == 2

@@ -120,3 +120,20 @@ def test_lab_spec_from_profile(tmp_path: Path) -> None:
     (tmp_path / "cpu.json").write_text("{}")
     with pytest.raises(UserError, match=r"lab\.toml.*'profile'"):
         parse_spec({"group": [g]}, str(tmp_path / "lab.toml"))
+
+
+def test_profile_writes_usable_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from bimetal.plan.profile import profile_main
+    out = tmp_path / "p.json"
+    assert profile_main(["--model", "debug", "--seq", "32", "--repeats", "2", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["layer_fwd_bwd_s"] > 0 and data["achieved_flops"] > 1e6
+
+
+def test_text_table_and_explain(capsys: pytest.CaptureFixture[str]) -> None:
+    spec = str(ROOT / "configs" / "clusters" / "h200_mi325x.toml")
+    assert main([spec, "--model", "qwen2-7b", "--explain", "--top", "3"]) == 0
+    text = capsys.readouterr().out
+    assert "tok/s" in text and "pipeline bubble" in text and "dp all-reduce" in text
+    with pytest.raises(UserError, match="unknown model flavour"):
+        main([spec, "--model", "gpt5"])

@@ -9,9 +9,11 @@ from __future__ import annotations
 import ipaddress
 import json
 import socket
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from bimetal.errors import UserError
 from bimetal.topology.vendor import VENDORS
 
 RECORD_VERSION = 1
@@ -19,7 +21,7 @@ _MAX_NICS = 64
 _MAX_STR = 256
 
 
-class TopologyError(ValueError):
+class TopologyError(UserError, ValueError):
     """A rank record or cluster view that fails validation."""
 
 
@@ -178,7 +180,7 @@ class ClusterView:
         return format_rows(rows)
 
 
-def format_rows(rows: list[tuple[str, ...]]) -> str:
+def format_rows(rows: Sequence[Sequence[str]]) -> str:
     """A plain left-aligned text table; the first row is the header."""
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]

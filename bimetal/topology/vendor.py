@@ -41,7 +41,9 @@ def parse_simulate(spec: str) -> list[str]:
 def hardware_vendor(torch_module: ModuleType | None = None) -> str:
     """The vendor of the torch build in use: from ``torch.version.hip`` / ``torch.version.cuda``."""
     if torch_module is None:
-        import torch as torch_module
+        import torch
+
+        torch_module = torch
     version = torch_module.version
     if getattr(version, "hip", None):
         return "amd"

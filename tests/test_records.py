@@ -1,0 +1,129 @@
+"""Topology records: JSON round trip, field-by-field validation, and the exchange over a real store."""
+
+from __future__ import annotations
+
+import json
+import threading
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from bimetal.topology.exchange import exchange_topology
+from bimetal.topology.records import ClusterView, NicInfo, RankRecord, TopologyError, local_nics
+
+
+def _record(rank: int = 0, **changes) -> RankRecord:
+    base = dict(rank=rank, local_rank=rank % 2, host=f"node{rank // 2}", vendor="nvidia" if rank < 2 else "amd",
+                device="NVIDIA H200", memory_bytes=141 * 2**30,
+                nics=(NicInfo("eth0", "10.0.0.1"), NicInfo("eth1", "10.0.1.1")))
+    base.update(changes)
+    return RankRecord(**base)
+
+
+def test_round_trip_is_plain_json() -> None:
+    rec = _record(3)
+    text = rec.to_json()
+    payload = json.loads(text)
+    assert payload["version"] == 1 and payload["nics"][1] == {"name": "eth1", "address": "10.0.1.1"}
+    assert RankRecord.from_json(text, expected_rank=3) == rec
+
+
+@pytest.mark.parametrize(
+    ("mutate", "field"),
+    [
+        (lambda p: p.pop("host"), "'host' is missing"),
+        (lambda p: p.update(vendor="intel"), "'vendor'"),
+        (lambda p: p.update(memory_bytes=-1), "'memory_bytes'"),
+        (lambda p: p.update(memory_bytes=True), "'memory_bytes'"),
+        (lambda p: p.update(rank=5), "'rank' says 5"),
+        (lambda p: p.update(extra="x"), "'extra' is not a known field"),
+        (lambda p: p.update(version=2), "'version'"),
+        (lambda p: p.update(nics=[{"name": "eth0", "address": "not-an-ip"}]), "'nics[0].address'"),
+        (lambda p: p.update(nics=[{"name": "a/b", "address": "10.0.0.1"}]), "'nics[0].name'"),
+        (lambda p: p.update(nics="eth0"), "'nics'"),
+        (lambda p: p.update(device=""), "'device'"),
+    ],
+)
+def test_bad_fields_are_named_with_the_rank(mutate, field: str) -> None:
+    payload = json.loads(_record(1).to_json())
+    mutate(payload)
+    with pytest.raises(TopologyError) as info:
+        RankRecord.from_json(json.dumps(payload), expected_rank=1)
+    assert "rank 1" in str(info.value) and field in str(info.value)
+
+
+def test_not_json_and_not_an_object() -> None:
+    with pytest.raises(TopologyError, match="rank 2 is not valid JSON"):
+        RankRecord.from_json(b"\x80\x03pickle", expected_rank=2)
+    with pytest.raises(TopologyError, match="is a list"):
+        RankRecord.from_json("[1, 2]", expected_rank=2)
+
+
+def test_cluster_view_checks_consistency() -> None:
+    view = ClusterView([_record(r) for r in (2, 0, 3, 1)])
+    assert view.world_size == 4 and view.hosts == ["node0", "node1"] and view.vendors == ["nvidia", "amd"]
+    assert view.ranks_on("node1") == [2, 3] and view.vendor_of(2) == "amd" and view.is_mixed()
+    assert "eth1=10.0.1.1" in view.format_table()
+    with pytest.raises(TopologyError, match="ranks 0..2 once each"):
+        ClusterView([_record(0), _record(1), _record(3)])
+    with pytest.raises(TopologyError, match="both claim local rank 0"):
+        ClusterView([_record(0), _record(1, local_rank=0)])
+
+
+def test_local_nics_lists_up_ipv4_interfaces() -> None:
+    nics = local_nics()
+    assert nics, "every host has at least loopback"
+    assert all(n.name and n.address.count(".") == 3 for n in nics)
+    assert any(n.address.startswith("127.") for n in local_nics(include_loopback=True))
+
+
+def _exchange_all(records_json: list[str], world: int) -> list[object]:
+    """Run exchange_topology on ``world`` threads sharing one TCPStore; each gets a view or an error."""
+    server = dist.TCPStore("127.0.0.1", 0, world, True, timeout=timedelta(seconds=20), wait_for_workers=False)
+    results: list[object] = [None] * world
+
+    def rank_main(rank: int) -> None:
+        store = dist.TCPStore("127.0.0.1", server.port, world, False, timeout=timedelta(seconds=20))
+        store.set(f"bimetal/topo/v1/{rank}", records_json[rank])
+        try:
+            # Publish our own raw JSON (possibly malformed) and read everyone's through the real path.
+            results[rank] = exchange_topology(store, rank, world, timedelta(seconds=10),
+                                              record=_RawRecord(records_json[rank]))  # type: ignore[arg-type]
+        except TopologyError as exc:
+            results[rank] = exc
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not any(t.is_alive() for t in threads)
+    return results
+
+
+class _RawRecord:
+    """Stands in for a RankRecord whose JSON was tampered with on the way (a malformed record)."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def to_json(self) -> str:
+        return self.text
+
+
+def test_exchange_builds_the_same_view_everywhere() -> None:
+    results = _exchange_all([_record(r).to_json() for r in range(4)], 4)
+    assert all(isinstance(v, ClusterView) for v in results)
+    assert len({v.to_json() for v in results}) == 1  # type: ignore[union-attr]
+
+
+def test_malformed_record_stops_every_rank_with_the_same_sentence() -> None:
+    payloads = [_record(r).to_json() for r in range(3)]
+    bad = json.loads(payloads[1])
+    bad["memory_bytes"] = "lots"
+    payloads[1] = json.dumps(bad)
+    results = _exchange_all(payloads, 3)
+    messages = {str(e) for e in results}
+    assert all(isinstance(e, TopologyError) for e in results)
+    assert len(messages) == 1 and "rank 1" in messages.pop()

@@ -1,0 +1,83 @@
+"""Groups created for real by launched ranks: ``bimetal topo`` on a simulated cluster, and the simulated
+native back-end refusing a group that mixes vendors (as NCCL and RCCL cannot talk to each other)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "BIMETAL_SIMULATE"):
+        env.pop(key, None)
+    return env
+
+
+def _bimetal(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "bimetal.cli", *args], env=_env(), capture_output=True,
+                          text=True, timeout=100)
+
+
+def test_topo_creates_every_group_with_its_backend() -> None:
+    proc = _bimetal("topo", "--simulate", "nvidia:2,amd:2", "--pp", "2", "--dp", "2", "--pp-transport", "gloo")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines() if line.startswith(("pp.", "dp."))}
+    assert rows["pp.dp0"][1:] == ["0,2", "nvidia,amd", "cross-vendor", "gloo"]
+    assert rows["pp.dp1"][1] == "1,3"
+    assert rows["dp.stage0"][2:] == ["nvidia", "homogeneous-nvidia", "bimetal_sim_native"]
+    assert rows["dp.stage1"][2:] == ["amd", "homogeneous-amd", "bimetal_sim_native"]
+    assert "stage 0: nvidia ranks [0, 1]" in proc.stdout and "stage 1: amd ranks [2, 3]" in proc.stdout
+
+
+def test_topo_refuses_an_impossible_layout_with_one_sentence() -> None:
+    proc = _bimetal("topo", "--simulate", "nvidia:3,amd:1", "--pp", "2", "--dp", "2", "--strict")
+    assert proc.returncode != 0
+    assert "strict mode: 2 stages of dp*tp = 2 ranks cannot each be one vendor" in proc.stdout + proc.stderr
+
+
+def test_bad_simulate_spec_is_one_sentence_and_exit_2() -> None:
+    proc = _bimetal("topo", "--simulate", "intel:2")
+    assert proc.returncode == 2
+    assert "bad simulation entry 'intel:2'" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_sim_native_refuses_a_group_that_mixes_vendors(tmp_path: Path) -> None:
+    script = tmp_path / "rank.py"
+    script.write_text(textwrap.dedent("""
+        import sys
+        from datetime import timedelta
+        import torch
+        import torch.distributed as dist
+        import bimetal  # registers the back-ends
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", timeout=timedelta(seconds=30))
+        same = dist.new_group([0, 1], backend="bimetal_sim_native")  # both nvidia: fine
+        t = torch.ones(4)
+        if dist.get_rank() in (0, 1):
+            dist.all_reduce(t, group=same)
+            assert t.tolist() == [2.0] * 4
+        try:
+            dist.new_group([1, 2], backend="bimetal_sim_native")  # nvidia + amd
+        except Exception as exc:
+            if dist.get_rank() in (1, 2):
+                print(f"REFUSED rank {dist.get_rank()}: {exc}", flush=True)
+        else:
+            if dist.get_rank() in (1, 2):
+                print("ACCEPTED", flush=True)
+        dist.destroy_process_group()
+    """))
+    proc = subprocess.run([sys.executable, "-m", "bimetal.cli", "launch", "--simulate", "nvidia:2,amd:1", "--",
+                           str(script)], env=_env(), capture_output=True, text=True, timeout=100)
+    out = proc.stdout + proc.stderr
+    assert "ACCEPTED" not in out
+    assert "REFUSED rank 1" in out and "REFUSED rank 2" in out, out[-3000:]
+    assert "cannot form a group across vendors (ranks 1:nvidia, 2:amd)" in out

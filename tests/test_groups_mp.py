@@ -3,6 +3,7 @@ native back-end refusing a group that mixes vendors (as NCCL and RCCL cannot tal
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -35,6 +36,54 @@ def test_topo_creates_every_group_with_its_backend() -> None:
     assert rows["dp.stage0"][2:] == ["nvidia", "homogeneous-nvidia", "bimetal_sim_native"]
     assert rows["dp.stage1"][2:] == ["amd", "homogeneous-amd", "bimetal_sim_native"]
     assert "stage 0: nvidia ranks [0, 1]" in proc.stdout and "stage 1: amd ranks [2, 3]" in proc.stdout
+
+
+RANK_SCRIPT = """
+import json, os, sys
+from datetime import timedelta
+import torch
+import torch.distributed as dist
+from bimetal.parallel import ParallelDims, init_parallel
+torch.set_num_threads(1)
+pp, dp = int(sys.argv[1]), int(sys.argv[2])
+ctx = init_parallel(ParallelDims(pp, dp), {"pp": "gloo"}, timedelta(seconds=60), print_table=False)
+mine = {}
+for axis, group in (("pp", ctx.pp_group), ("dp", ctx.dp_group)):
+    if group is not None:
+        spec = ctx.spec(ctx.my_group_name(axis))
+        t = torch.tensor([float(ctx.rank)])
+        dist.all_reduce(t, group=group)  # the group really works
+        mine[axis] = {"backend": str(dist.get_backend(group)), "kind": spec.kind, "ranks": list(spec.ranks),
+                      "sum": t.item()}
+info = {"rank": ctx.rank, "vendor": ctx.vendor, "stage": ctx.stage, **mine}
+with open(os.path.join(sys.argv[3], f"rank{ctx.rank}.json"), "w") as f:  # one file each: stdout interleaves
+    json.dump(info, f)
+ctx.destroy()
+"""
+
+
+@pytest.mark.parametrize(("simulate", "pp", "dp"), [("nvidia:1,amd:1", 2, 1), ("nvidia:2,amd:2", 2, 2)])
+def test_every_rank_gets_its_classification_and_backend(simulate: str, pp: int, dp: int, tmp_path: Path) -> None:
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT)
+    proc = subprocess.run([sys.executable, "-m", "bimetal.cli", "launch", "--simulate", simulate, "--",
+                           str(script), str(pp), str(dp), str(tmp_path)],
+                          env=_env(), capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = {r["rank"]: r for r in (json.loads(p.read_text()) for p in tmp_path.glob("rank*.json"))}
+    world = pp * dp
+    assert sorted(ranks) == list(range(world))
+    for r, info in ranks.items():
+        vendor = "nvidia" if r < world // 2 else "amd"
+        assert info["vendor"] == vendor and info["stage"] == (0 if vendor == "nvidia" else 1)
+        assert info["pp"]["kind"] == "cross-vendor" and info["pp"]["backend"] == "gloo"
+        assert info["pp"]["sum"] == float(sum(info["pp"]["ranks"]))
+        if dp > 1:
+            assert info["dp"]["kind"] == f"homogeneous-{vendor}"
+            assert info["dp"]["backend"] == "bimetal_sim_native"
+            assert info["dp"]["sum"] == float(sum(info["dp"]["ranks"]))
+        else:
+            assert "dp" not in info
 
 
 def test_topo_refuses_an_impossible_layout_with_one_sentence() -> None:

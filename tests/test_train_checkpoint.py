@@ -10,7 +10,7 @@ import torch
 
 from bimetal.errors import UserError
 from bimetal.train import checkpoint
-from bimetal.train.metrics import StepMetrics, peak_flops
+from bimetal.train.metrics import StepMetrics, cluster_peak_flops, peak_flops
 
 pytestmark = pytest.mark.timeout(60)
 META = {"family": "llama3", "flavour": "debug", "layers_per_stage": [3, 1], "dp": 2}
@@ -41,9 +41,19 @@ def test_save_load_roundtrip_and_half_written_ignored(tmp_path: Path) -> None:
 def test_metrics_jsonl_and_unknown_mfu(tmp_path: Path) -> None:
     assert peak_flops(None) is None and peak_flops("cpu") is None
     m = StepMetrics(tmp_path, 0, flops_per_token=1e6, peak=None)
-    m.log(1, 5.0, 1000, 0.5, 1e-3, 1.0, 0.1, 2048, 4)
-    m.log(2, 4.0, 1000, 0.25, 1e-3, 1.0, 0.1, 2048, 4)
+    m.log(1, 5.0, 1000, 0.5, 1e-3, 1.0, 0.1, 2048)
+    m.log(2, 4.0, 1000, 0.25, 1e-3, 1.0, 0.1, 2048)
     recs = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs] == [1, 2] and recs[1]["tokens_per_s"] == 4000 and recs[0]["mfu"] is None
     s = m.summary("cpu-forward")
     assert s["loss_start"] == 5.0 and s["loss_end"] == 4.0 and s["xvendor_bytes"] == 4096
+
+
+def test_mfu_uses_summed_peak_and_refuses_partial_tables(tmp_path: Path) -> None:
+    h100 = peak_flops("NVIDIA H100 80GB HBM3")
+    assert h100 is not None and cluster_peak_flops(["NVIDIA H100 80GB HBM3"] * 2) == 2 * h100
+    # One unknown device makes the whole job's MFU unknown rather than a number over a partial peak.
+    assert cluster_peak_flops(["NVIDIA H100 80GB HBM3", "cpu (simulated amd)"]) is None
+    m = StepMetrics(tmp_path, 0, flops_per_token=1e9, peak=2 * h100)
+    rec = m.log(1, 5.0, 1000, 0.5, 1e-3, 1.0, 0.0, 0)
+    assert rec["mfu"] == 2000 * 1e9 / (2 * h100)

@@ -17,10 +17,28 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from bimetal.errors import UserError
 
 MARKER = "COMPLETE"
+
+
+def training_state(model: nn.Module, opt: torch.optim.Optimizer, stage: int) -> dict[str, Any]:
+    """Model and optimizer state of one stage, keyed ``stage<N>`` so stages never collide in the DCP store.
+
+    ``get_state_dict`` keys optimizer state by parameter name and creates it if no step has run yet, which a
+    load needs: DCP fills only the tensors the target already has, so a fresh optimizer would load nothing.
+    """
+    model_sd, optim_sd = get_state_dict(model, opt)
+    return {f"stage{stage}": {"model": model_sd, "optim": optim_sd}}
+
+
+def apply_training_state(model: nn.Module, opt: torch.optim.Optimizer, stage: int, state: dict[str, Any]) -> None:
+    """Put a loaded ``training_state`` back into ``model`` and ``opt``."""
+    part = state[f"stage{stage}"]
+    set_state_dict(model, opt, model_state_dict=part["model"], optim_state_dict=part["optim"])
 
 
 def _barrier(group: dist.ProcessGroup | None) -> None:

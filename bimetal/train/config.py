@@ -238,7 +238,7 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | list[str] |
     """Defaults, then the TOML file at ``path`` (if any), then ``overrides``; raises ``UserError``."""
     cfg = TrainConfig.__new__(TrainConfig)
     for f in dataclasses.fields(TrainConfig):
-        setattr(cfg, f.name, f.default_factory())  # type: ignore[misc]
+        setattr(cfg, f.name, f.default_factory())  # type: ignore[misc,operator]
     if path is not None:
         p = Path(path)
         if not p.is_file():

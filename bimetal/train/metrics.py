@@ -24,11 +24,20 @@ def peak_flops(device_name: str | None) -> float | None:
     return spec.peak_bf16_flops if spec else None
 
 
+def cluster_peak_flops(device_names: list[str]) -> float | None:
+    """Summed peak of every rank's device; None if any one is unknown (a partial sum would overstate MFU)."""
+    peaks = [peak_flops(n) for n in device_names]
+    if not peaks or any(p is None for p in peaks):
+        return None
+    return float(sum(p for p in peaks if p is not None))
+
+
 class StepMetrics:
     """Collects per-step records; writes JSONL and the console line on rank 0."""
 
     def __init__(self, run_dir: str | Path, rank: int, flops_per_token: float, peak: float | None,
                  log_every: int = 1, tensorboard: bool = False) -> None:
+        """``peak`` is the summed peak FLOP/s of all devices of the job (None: unknown, MFU not shown)."""
         self.rank, self.flops_per_token, self.peak, self.log_every = rank, flops_per_token, peak, log_every
         self.records: list[dict[str, Any]] = []
         self.path = Path(run_dir) / "metrics.jsonl"
@@ -44,9 +53,10 @@ class StepMetrics:
                     self._tb = None
 
     def log(self, step: int, loss: float, tokens: int, seconds: float, lr: float, grad_norm: float,
-            comm_s: float, comm_bytes: int, n_devices: int) -> dict[str, Any]:
+            comm_s: float, comm_bytes: int) -> dict[str, Any]:
+        """Record one step; ``tokens`` are the job's (all replicas), ``comm_*`` the cross-vendor ones."""
         tps = tokens / seconds if seconds > 0 else 0.0
-        mfu = (tps * self.flops_per_token / (self.peak * n_devices)) if self.peak else None
+        mfu = (tps * self.flops_per_token / self.peak) if self.peak else None
         rec = {"step": step, "loss": loss, "tokens_per_s": tps, "mfu": mfu, "lr": lr, "grad_norm": grad_norm,
                "step_s": seconds, "xvendor_comm_s": comm_s, "xvendor_bytes": comm_bytes, "time": time.time()}
         self.records.append(rec)

@@ -61,7 +61,7 @@ def average_gradients(model: nn.Module, group: dist.ProcessGroup | None, size: i
 def clip_global_norm(model: nn.Module, max_norm: float, pp_group: dist.ProcessGroup | None, pp_size: int) -> float:
     """Clip to ``max_norm`` by the norm over all stages; returns the norm before clipping."""
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    sq = torch.zeros((), dtype=torch.float32)
+    sq = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")
     for g in grads:
         sq += g.detach().float().pow(2).sum()
     if pp_size > 1:

@@ -2,7 +2,8 @@
 
 Built on ``torch.distributed.pipelining`` with the pp group passed explicitly, so the same code runs over
 Gloo, ``bimetal_cpu_forward`` and ``bimetal_device_direct``. The loss lives on the last stage; after the
-schedule it is broadcast over the pp group so every rank reports the same number.
+schedule it is broadcast over the pp group so every rank reports the same number. The collectives and the
+byte/time counters are in ``pp_comms``.
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
 from bimetal.errors import UserError
+from bimetal.train.pp_comms import MeteredStage, broadcast_from_last
 
 SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
 
@@ -25,12 +27,43 @@ def stage_layer_ids(split: list[int], stage: int) -> list[int]:
     return list(range(start, start + split[stage]))
 
 
+def stage_of_param(name: str, split: list[int]) -> int:
+    """The stage that holds the whole-model parameter ``name`` (``layers.3.attention.wq.weight`` -> 1)."""
+    if name.startswith("tok_embeddings."):
+        return 0
+    if name.startswith("layers."):
+        layer = int(name.split(".")[1])
+        return next(s for s in range(len(split)) if layer in stage_layer_ids(split, s))
+    return len(split) - 1  # final norm and output projection
+
+
+class StageModule(nn.Module):
+    """What the schedule runs for one stage: the stage's model under autocast, float32 at the boundary.
+
+    Activations cross stages in float32 whatever the compute dtype, so the tensors the schedule allocates
+    for receives have one fixed dtype and the residual stream is not rounded at a stage boundary.
+    """
+
+    def __init__(self, inner: nn.Module, autocast_dtype: torch.dtype | None, device_type: str) -> None:
+        super().__init__()
+        self.inner = inner
+        self.autocast_dtype, self.device_type = autocast_dtype, device_type
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.autocast_dtype is None:
+            return self.inner(x)
+        with torch.autocast(self.device_type, dtype=self.autocast_dtype):
+            out = self.inner(x)
+        return out.float()
+
+
 class PipelineRunner:
     """One stage of a pipeline and its schedule; ``step`` runs forward+backward of all microbatches."""
 
     def __init__(self, module: nn.Module, stage: int, num_stages: int, group: dist.ProcessGroup | None,
                  microbatches: int, schedule: str, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                 device: torch.device, input_example: torch.Tensor, output_example: torch.Tensor) -> None:
+                 device: torch.device, input_example: torch.Tensor, output_example: torch.Tensor,
+                 autocast_dtype: torch.dtype | None = None) -> None:
         if schedule not in SCHEDULES:
             raise UserError(f"parallel.schedule={schedule!r} is unknown; use one of {', '.join(SCHEDULES)}.")
         self.stage, self.num_stages, self.group = stage, num_stages, group
@@ -41,8 +74,9 @@ class PipelineRunner:
             input_example = input_example.detach().requires_grad_(True)
         if output_example.is_floating_point():
             output_example = output_example.detach().requires_grad_(True)
-        self.pipe_stage = PipelineStage(module, stage, num_stages, device, input_args=(input_example,),
-                                        output_args=(output_example,), group=group)
+        self.module = StageModule(module, autocast_dtype, device.type)
+        self.pipe_stage = MeteredStage(self.module, stage, num_stages, device, input_args=(input_example,),
+                                       output_args=(output_example,), group=group)
         self.schedule = SCHEDULES[schedule](self.pipe_stage, n_microbatches=microbatches, loss_fn=loss_fn)
 
     def step(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> torch.Tensor:
@@ -55,9 +89,7 @@ class PipelineRunner:
             self.schedule.step(inputs, **kwargs)
         else:
             self.schedule.step(**kwargs)
-        loss = torch.stack([x.detach().float() for x in losses]).mean() if self.is_last else torch.zeros(())
-        if self.num_stages > 1:
-            last = self.num_stages - 1
-            src = dist.get_global_rank(self.group, last) if self.group is not None else last
-            dist.broadcast(loss, src=src, group=self.group)
-        return loss
+        device = self.pipe_stage.device
+        loss = (torch.stack([x.detach().float() for x in losses]).mean() if self.is_last
+                else torch.zeros((), device=device))
+        return broadcast_from_last(loss, self.group, self.num_stages)

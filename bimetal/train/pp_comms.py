@@ -1,0 +1,104 @@
+"""Pipeline communication: which collectives the pipeline uses, and how much it moves.
+
+``torch.distributed.pipelining`` issues the activation/gradient sends and receives itself (``P2POp`` over
+the pp group we hand it). ``MeteredStage`` is its ``PipelineStage`` with two additions and no change to the
+data path: it counts the bytes of every send and receive it hands to the schedule, and it times its own
+forward/backward compute, so the time a step spends in pipeline communication (issuing and waiting for
+transfers, the waits for the peer stage included) is the step's schedule time minus that compute.
+Everything else on the pp axis goes through the functions below: the loss broadcast and the gather of
+every stage's weights for export.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage
+
+
+def _op_bytes(ops: list[dist.P2POp]) -> int:
+    return sum(op.tensor.numel() * op.tensor.element_size() for op in ops)
+
+
+class MeteredStage(PipelineStage):
+    """A ``PipelineStage`` that counts transferred bytes and its own compute seconds."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.sent_bytes = 0
+        self.recv_bytes = 0
+        self.compute_s = 0.0
+
+    def reset_counters(self) -> None:
+        self.sent_bytes, self.recv_bytes, self.compute_s = 0, 0, 0.0
+
+    def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
+        ops = super().get_fwd_send_ops(fwd_chunk_id)
+        self.sent_bytes += _op_bytes(ops)
+        return ops
+
+    def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
+        ops = super().get_bwd_send_ops(bwd_chunk_id)
+        self.sent_bytes += _op_bytes(ops)
+        return ops
+
+    def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
+        ops = super().get_fwd_recv_ops(fwd_chunk_id)
+        self.recv_bytes += _op_bytes(ops)
+        return ops
+
+    def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
+        ops = super().get_bwd_recv_ops(bwd_chunk_id)
+        self.recv_bytes += _op_bytes(ops)
+        return ops
+
+    def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return super().forward_one_chunk(*args, **kwargs)
+        finally:
+            self.compute_s += time.perf_counter() - t0
+
+    def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return super().backward_one_chunk(*args, **kwargs)
+        finally:
+            self.compute_s += time.perf_counter() - t0
+
+
+def broadcast_from_last(value: torch.Tensor, group: dist.ProcessGroup | None, num_stages: int) -> torch.Tensor:
+    """Broadcast ``value`` (e.g. the loss, only known on the last stage) to every stage, in place."""
+    if num_stages > 1:
+        src = dist.get_global_rank(group, num_stages - 1) if group is not None else num_stages - 1
+        dist.broadcast(value, src=src, group=group)
+    return value
+
+
+def gather_full_state(stage_params: dict[str, torch.Tensor], full: dict[str, torch.Tensor], owners: list[int],
+                      rank: int, dst: int, stage_names: list[list[str]], group: dist.ProcessGroup | None = None
+                      ) -> None:
+    """Collect every stage's parameters on global rank ``dst`` into ``full`` (name -> tensor), in place.
+
+    ``owners[s]`` is the global rank that sends stage ``s`` (replica 0); ``stage_names[s]`` the names that
+    stage holds, in the order both sides iterate. Tensors travel as raw CPU tensors over ``group`` (the
+    Gloo world by default), one ``send``/``recv`` per tensor, so nothing is pickled and shapes come from the
+    receiver's own full model.
+    """
+    for s, owner in enumerate(owners):
+        if owner == dst:
+            if rank == dst:
+                for name in stage_names[s]:
+                    full[name].copy_(stage_params[name])
+            continue
+        if rank == owner:
+            for name in stage_names[s]:
+                dist.send(stage_params[name].detach().float().cpu().contiguous(), dst=dst, group=group)
+        elif rank == dst:
+            for name in stage_names[s]:
+                buf = torch.empty(full[name].shape, dtype=torch.float32)
+                dist.recv(buf, src=owner, group=group)
+                full[name].copy_(buf)

@@ -3,10 +3,31 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 
-from bimetal.train.config import load_config
+from bimetal.errors import UserError
+from bimetal.train.config import TrainConfig, load_config
+from bimetal.train.metrics import format_summary
+
+_TRANSPORT_MODULES = {"cpu-forward": "bimetal.comm.cpu_forward", "device-direct": "bimetal.comm.device_direct"}
+
+
+def _check_transports(cfg: TrainConfig) -> None:
+    """Refuse a transport this build lacks before any rank starts (else every rank dies in group creation)."""
+    for key in ("pp_transport", "dp_transport"):
+        name = getattr(cfg.parallel, key)
+        module = _TRANSPORT_MODULES.get(name)
+        if module is None:
+            continue
+        try:
+            ok = hasattr(importlib.import_module(module), "create_process_group")
+        except ImportError:
+            ok = False
+        if not ok:
+            raise UserError(f"parallel.{key}={name!r} is not available in this build ({module} is missing); "
+                            f"choose another transport, e.g. --parallel.{key}=gloo.")
 
 
 def main(argv: list[str]) -> int:
@@ -17,6 +38,8 @@ def main(argv: list[str]) -> int:
     ns, rest = parser.parse_known_args(argv)
     overrides = list(rest) + (["--checkpoint.resume=true"] if ns.resume else [])
     cfg = load_config(ns.config, overrides)  # UserError -> one sentence, exit 2 (bimetal.cli)
+    if cfg.parallel.pp * cfg.parallel.dp > 1:
+        _check_transports(cfg)
     if ns.simulate and "RANK" not in os.environ:
         from bimetal.launch import launch
 
@@ -26,8 +49,7 @@ def main(argv: list[str]) -> int:
 
     summary = train(cfg)
     if summary and int(os.environ.get("RANK", "0")) == 0:
-        print("summary: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                                      for k, v in summary.items()), flush=True)
+        print(format_summary(summary), flush=True)
     return 0
 
 

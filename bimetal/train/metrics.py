@@ -73,17 +73,40 @@ class StepMetrics:
         return rec
 
     def summary(self, transport: str) -> dict[str, Any]:
-        """Loss start/end, tokens/s median and spread (first step left out as warm-up when there are more)."""
+        """Loss start/end/max, tokens/s median and spread (the first step is warm-up when there are more)."""
         if not self.records:
             return {}
         tps = [r["tokens_per_s"] for r in (self.records[1:] if len(self.records) > 1 else self.records)]
-        out = {"steps": len(self.records), "loss_start": self.records[0]["loss"], "loss_end": self.records[-1]["loss"],
+        losses = [r["loss"] for r in self.records]
+        mfus = [r["mfu"] for r in self.records if r["mfu"] is not None]
+        out = {"steps": len(self.records), "first_step": self.records[0]["step"], "loss_start": losses[0],
+               "loss_end": losses[-1], "loss_max": max(losses),
                "tokens_per_s_median": statistics.median(tps), "tokens_per_s_min": min(tps),
-               "tokens_per_s_max": max(tps), "pp_transport": transport,
+               "tokens_per_s_max": max(tps), "tokens_per_s_stdev": statistics.pstdev(tps),
+               "mfu_median": statistics.median(mfus) if mfus else None, "pp_transport": transport,
                "xvendor_bytes": sum(r["xvendor_bytes"] for r in self.records),
-               "xvendor_comm_s": sum(r["xvendor_comm_s"] for r in self.records)}
+               "xvendor_comm_s": sum(r["xvendor_comm_s"] for r in self.records),
+               "run_dir": str(self.path.parent)}
         if self.rank == 0:
             (self.path.parent / "summary.json").write_text(json.dumps(out, indent=1))
             if self._tb is not None:
                 self._tb.close()
         return out
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    """The final summary as a few aligned lines for the console."""
+    mfu = f"{s['mfu_median'] * 100:.1f}% median" if s.get("mfu_median") is not None else \
+        "unknown (device not in bimetal.topology.devices)"
+    rows = [
+        ("steps", f"{s['first_step']}..{s['first_step'] + s['steps'] - 1}"),
+        ("loss", f"{s['loss_start']:.4f} -> {s['loss_end']:.4f} (max {s['loss_max']:.4f})"),
+        ("tokens/s", f"{s['tokens_per_s_median']:.0f} median, {s['tokens_per_s_min']:.0f}..{s['tokens_per_s_max']:.0f}"
+                     f" range, {s['tokens_per_s_stdev']:.0f} stdev"),
+        ("mfu", mfu),
+        ("pp transport", s["pp_transport"]),
+        ("cross-vendor", f"{s['xvendor_bytes'] / 1e6:.1f} MB moved, {s['xvendor_comm_s']:.2f} s in pp send/recv "
+                         "(per rank, waits included)"),
+        ("run folder", f"{s['run_dir']} (metrics.jsonl, summary.json, checkpoints/)"),
+    ]
+    return "summary:\n" + "\n".join(f"  {k:<13} {v}" for k, v in rows)

@@ -100,3 +100,17 @@ def test_clip_single_process_matches_torch() -> None:
 def test_shipped_configs_load(name: str) -> None:
     cfg = load_config(Path(__file__).resolve().parent.parent / "configs" / name)
     assert sum(cfg.parallel.layers_per_stage) in (4, 28, 32) and cfg.parallel.pp == 2
+
+
+def test_bin_shard_is_memory_mapped_and_checked(tmp_path: Path) -> None:
+    import torch
+
+    f = tmp_path / "shard.bin"
+    np.arange(70_000, 70_000 + 2_001, dtype=np.uint32).tofile(f)
+    tokens = load_tokens(str(f), ByteTokenizer(), "uint32")
+    assert isinstance(tokens, np.memmap) and int(tokens[0]) == 70_000 and len(tokens) == 2_001
+    x, y = TokenStream(tokens, 10, 2).next_batch()
+    assert x.dtype == torch.int64 and int(x.min()) >= 70_000 and (y[:, :-1] == x[:, 1:]).all()
+    (tmp_path / "odd.bin").write_bytes(b"\x00" * 7)
+    with pytest.raises(UserError, match="bin_dtype"):
+        load_tokens(str(tmp_path / "odd.bin"), ByteTokenizer(), "uint32")

@@ -22,12 +22,20 @@ SHIPPED_CORPUS = Path(__file__).resolve().parent.parent / "data" / "tinyshakespe
 
 
 def load_tokens(path: str, tokenizer: ByteTokenizer | HFJsonTokenizer, bin_dtype: str = "uint16") -> np.ndarray:
-    """All tokens of ``path`` (or of the shipped corpus) as an int64 array; raises ``UserError`` if missing."""
+    """All tokens of ``path`` (or of the shipped corpus); raises ``UserError`` if missing.
+
+    Text and JSONL are tokenized into an int64 array; a ``.bin`` shard is memory-mapped as it is stored
+    (uint16/uint32), so a corpus larger than memory costs only the windows a replica reads.
+    """
     p = Path(path) if path else SHIPPED_CORPUS
     if not p.is_file():
         raise UserError(f"data file {p} does not exist; set data.path to a text, .jsonl or .bin file.")
     if p.suffix == ".bin":
-        return np.fromfile(p, dtype=np.dtype(bin_dtype)).astype(np.int64)
+        dtype = np.dtype(bin_dtype)
+        if p.stat().st_size % dtype.itemsize:
+            raise UserError(f"{p} is {p.stat().st_size} bytes, not a whole number of {bin_dtype} tokens; "
+                            "set data.bin_dtype to the type the shard was written with.")
+        return np.memmap(p, dtype=dtype, mode="r")
     if p.suffix == ".jsonl":
         ids: list[int] = []
         for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
@@ -48,7 +56,7 @@ class TokenStream:
 
     def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, dp_rank: int = 0, dp_size: int = 1,
                  seed: int = 0) -> None:
-        self.tokens = torch.from_numpy(tokens)
+        self.tokens = tokens
         self.seq_len, self.batch_size = seq_len, batch_size
         self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
         n_windows = (len(tokens) - 1) // seq_len
@@ -69,9 +77,9 @@ class TokenStream:
             epoch, i = divmod(self.consumed, per_epoch)
             w = int(self._cached(epoch)[i * self.dp_size + self.dp_rank])
             start = w * self.seq_len
-            rows.append(self.tokens[start:start + self.seq_len + 1])
+            rows.append(np.asarray(self.tokens[start:start + self.seq_len + 1], dtype=np.int64))
             self.consumed += 1
-        batch = torch.stack(rows)
+        batch = torch.from_numpy(np.stack(rows))
         return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
 
     def _cached(self, epoch: int) -> torch.Tensor:

@@ -5,7 +5,8 @@
 """
 
 from bimetal.models.args import ARGS_CLASSES, FLAVOURS, LlamaArgs, ModelArgs, Qwen2Args, RopeScaling
+from bimetal.models.hf import args_from_hf_config, export_hf, from_hf, hf_config
 from bimetal.models.transformer import Transformer, build_model, prune_to_stage
 
 __all__ = ["ARGS_CLASSES", "FLAVOURS", "LlamaArgs", "ModelArgs", "Qwen2Args", "RopeScaling", "Transformer",
-           "build_model", "prune_to_stage"]
+           "args_from_hf_config", "build_model", "export_hf", "from_hf", "hf_config", "prune_to_stage"]

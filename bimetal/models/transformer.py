@@ -144,9 +144,15 @@ class Transformer(nn.Module):
                              persistent=False)
 
     def reset_buffers(self) -> None:
-        """Recompute the RoPE frequencies (after ``to_empty`` from the meta device)."""
+        """After ``to_empty`` from the meta device: recompute RoPE frequencies and restore a tie.
+
+        ``to_empty`` may replace parameters with new objects, which would silently untie the output
+        projection from the embedding.
+        """
         inv = rope_inv_freq(self.args.head_dim, self.args.rope_theta, self.args.rope_scaling)
         self.rope_inv_freq = inv.to(self.rope_inv_freq.device)
+        if self.args.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
+            self.output.weight = self.tok_embeddings.weight
 
     def init_weights(self, seed: int = 0) -> None:
         """Deterministic init: each parameter draws from its own generator seeded by ``seed`` and its name.

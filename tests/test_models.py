@@ -10,7 +10,7 @@ import torch
 
 from bimetal import models
 from bimetal.errors import UserError
-from bimetal.models import FLAVOURS, LlamaArgs, Qwen2Args, build_model, prune_to_stage
+from bimetal.models import FLAVOURS, LlamaArgs, Qwen2Args, build_model, build_stage, prune_to_stage
 
 torch.set_num_threads(1)
 TINY = LlamaArgs(dim=32, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=50, ffn_dim=48, max_seq_len=64)
@@ -85,6 +85,18 @@ def test_stage_gradients_match_full_model() -> None:
     for stage in (s0, s1):
         for n, p in stage.named_parameters():
             torch.testing.assert_close(p.grad, g_full[n], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen2"])
+def test_build_stage_equals_pruned_full_model(family: str) -> None:
+    for ids, first, last in [([0, 1, 2], True, False), ([3], False, True), ([1, 2], False, False)]:
+        a = prune_to_stage(build_model(family, "debug", seed=2), ids, first, last)
+        b = build_stage(family, "debug", ids, first, last, seed=2)
+        sa, sb = a.state_dict(), b.state_dict()
+        assert list(sa) == list(sb)
+        for k in sa:
+            assert torch.equal(sa[k], sb[k]), k
+        assert torch.equal(a.rope_inv_freq, b.rope_inv_freq)
 
 
 def test_deterministic_init_independent_of_global_rng() -> None:

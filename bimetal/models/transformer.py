@@ -257,3 +257,17 @@ def prune_to_stage(model: Transformer, layer_ids: list[int], first: bool, last: 
         model.norm = None
         model.output = None
     return model
+
+
+def build_stage(family: str, args: ModelArgs | str, layer_ids: list[int], first: bool, last: bool, *,
+                device: str | torch.device = "cpu", seed: int = 0) -> Transformer:
+    """One pipeline stage, equal to ``prune_to_stage(build_model(...), ...)`` but never holding the whole model.
+
+    The model is laid out on the meta device, pruned, then only the stage's tensors are allocated on
+    ``device`` and initialised; init is per parameter name, so the weights are those of the full build.
+    """
+    model = prune_to_stage(build_model(family, args, device="meta"), layer_ids, first, last)
+    model = model.to_empty(device=torch.device(device))
+    model.reset_buffers()
+    model.init_weights(seed)
+    return model

@@ -69,6 +69,17 @@ def test_llama3_with_rope_scaling_matches_transformers(tmp_path: Path) -> None:
         assert (plain(x) - ref).abs().max() > 1e-3
 
 
+def test_stages_loaded_from_hf_chain_to_the_full_model(tmp_path: Path) -> None:
+    folder = _llama(tmp_path, max_shard_size="100KB")
+    full = from_hf(folder)
+    s0 = from_hf(folder, stage=([0], True, False))
+    s1 = from_hf(folder, stage=([1, 2], False, True))
+    assert list(s0.layers) == ["0"] and s0.output is None and list(s1.layers) == ["1", "2"]
+    x = _ids(16)
+    with torch.no_grad():
+        assert torch.equal(s1(s0(x)), full(x))
+
+
 def test_sharded_checkpoint_loads(tmp_path: Path) -> None:
     folder = _llama(tmp_path, max_shard_size="100KB")
     assert (folder / "model.safetensors.index.json").is_file() and not (folder / "model.safetensors").exists()

@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 
 from bimetal.errors import UserError
 from bimetal.models.args import ARGS_CLASSES, ModelArgs, RopeScaling
-from bimetal.models.transformer import Transformer, build_model
+from bimetal.models.transformer import Transformer, build_model, prune_to_stage
 
 HF_MODEL_TYPES = {"llama": "llama3", "qwen2": "qwen2"}
 FAMILY_MODEL_TYPE = {v: k for k, v in HF_MODEL_TYPES.items()}
@@ -148,9 +148,13 @@ def _weight_files(folder: Path) -> list[Path]:
     return files
 
 
-def from_hf(path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
-            ) -> Transformer:
-    """Build the model described by an HF checkpoint folder and load its weights (cast to ``dtype``)."""
+def from_hf(path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+            stage: tuple[list[int], bool, bool] | None = None) -> Transformer:
+    """Build the model described by an HF checkpoint folder and load its weights (cast to ``dtype``).
+
+    ``stage=(layer_ids, first, last)`` loads one pipeline stage only (as ``prune_to_stage`` would cut it),
+    allocating and reading only that stage's tensors.
+    """
     folder = Path(path)
     if not folder.is_dir():
         raise UserError(f"{folder} is not a folder; give the path of an HF checkpoint folder (config.json + "
@@ -164,7 +168,11 @@ def from_hf(path: str | Path, *, device: str | torch.device = "cpu", dtype: torc
         raise _fail(cfg_path, f"is not valid JSON ({e}).") from None
     family, args = args_from_hf_config(cfg, cfg_path)
     files = _weight_files(folder)
-    model = build_model(family, args, device="meta").to_empty(device=device)
+    model = build_model(family, args, device="meta")
+    known = {n for n, _ in model.named_parameters()}  # the whole model's names, to tell "other stage" from "wrong"
+    if stage is not None:
+        prune_to_stage(model, *stage)
+    model = model.to_empty(device=device)
     model.reset_buffers()
     params = dict(model.named_parameters())  # a tied matrix appears once, as tok_embeddings.weight
     loaded: set[str] = set()
@@ -175,6 +183,8 @@ def from_hf(path: str | Path, *, device: str | torch.device = "cpu", dtype: torc
                     ours = hf_to_ours(hf_name)
                     if ours == "output.weight" and args.tie_embeddings:
                         continue  # some tied checkpoints also store lm_head; the embedding is the one used
+                    if ours in known and ours not in params:
+                        continue  # held by another pipeline stage
                     if ours is None or ours not in params:
                         raise _fail(f, f"tensor {hf_name} does not belong to a {family} model with this config; "
                                        "check that config.json matches the weights.")

@@ -25,7 +25,7 @@ def test_debug_shapes_and_param_count(family: str) -> None:
     assert sorted(m.layers.keys(), key=int) == [str(i) for i in range(args.n_layers)]
     assert m.num_params() == args.num_params()
     assert m.num_params(exclude_embedding=True) == args.num_params() - args.vocab_size * args.dim
-    assert (m.layers["0"].attention.wq.bias is not None) == (family == "qwen2")
+    assert ("layers.0.attention.wq.bias" in dict(m.named_parameters())) == (family == "qwen2")
     assert args.vocab_size >= 258  # byte tokenizer: 256 bytes + <eos> + <pad>
 
 
@@ -41,7 +41,7 @@ def test_gqa_equals_attention_with_repeated_kv_heads() -> None:
     mha.load_state_dict(state)
     x = torch.randint(0, TINY.vocab_size, (2, 10))
     torch.testing.assert_close(gqa(x), mha(x), rtol=1e-5, atol=1e-5)
-    assert gqa.layers["0"].attention.wk.weight.shape == (TINY.n_kv_heads * hd, TINY.dim)
+    assert gqa.get_parameter("layers.0.attention.wk.weight").shape == (TINY.n_kv_heads * hd, TINY.dim)
 
 
 def test_causal_future_tokens_do_not_change_earlier_logits() -> None:
@@ -110,8 +110,9 @@ def test_deterministic_init_independent_of_global_rng() -> None:
         if not n.endswith(("norm.weight", ".bias")):
             assert not torch.equal(p, r), n
     # Different tensors of one model are not copies of one stream.
-    assert not torch.equal(a.layers["0"].attention.wq.weight, a.layers["1"].attention.wq.weight)
-    assert abs(float(a.layers["0"].attention.wq.weight.detach().std()) - 0.02) < 0.002
+    wq0, wq1 = a.get_parameter("layers.0.attention.wq.weight"), a.get_parameter("layers.1.attention.wq.weight")
+    assert not torch.equal(wq0, wq1)
+    assert abs(float(wq0.detach().std()) - 0.02) < 0.002
 
 
 def test_flops_per_token_llama3_8b_and_qwen2_7b() -> None:
@@ -158,5 +159,5 @@ def test_refusals() -> None:
 
 def test_meta_build_allocates_nothing() -> None:
     m = build_model("llama3", "llama3-8b", device="meta")
-    assert m.layers["31"].feed_forward.w1.weight.is_meta
+    assert m.get_parameter("layers.31.feed_forward.w1.weight").is_meta
     assert m.num_params() == models.FLAVOURS["llama3"]["llama3-8b"].num_params()

@@ -14,8 +14,9 @@ from bimetal.models import FLAVOURS, build_model, export_hf, from_hf
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e .[dev])")
 torch.set_num_threads(1)
 
+VOCAB = 300
 COMMON = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3, "num_attention_heads": 4,
-          "num_key_value_heads": 2, "vocab_size": 300, "max_position_embeddings": 512, "rms_norm_eps": 1e-5,
+          "num_key_value_heads": 2, "vocab_size": VOCAB, "max_position_embeddings": 512, "rms_norm_eps": 1e-5,
           "initializer_range": 0.1}  # larger than HF's 0.02 so logits are O(1) and 1e-4 is a tight bound
 
 
@@ -49,7 +50,7 @@ def _hf_logits(folder: Path, x: torch.Tensor) -> torch.Tensor:
 
 
 def _ids(n: int = 40) -> torch.Tensor:
-    return torch.randint(0, COMMON["vocab_size"], (2, n), generator=torch.Generator().manual_seed(9))
+    return torch.randint(0, VOCAB, (2, n), generator=torch.Generator().manual_seed(9))
 
 
 def test_llama3_with_rope_scaling_matches_transformers(tmp_path: Path) -> None:

@@ -1,0 +1,104 @@
+"""Link and speed faults injected into a running lab, for the reliability work.
+
+Every fault is a plain function on a ``LabCluster`` that takes effect at once, while a job runs:
+take a NIC down or up, change a NIC's rate, add latency or loss (these two need the kernel's netem
+qdisc; without it they raise ``LabError`` saying so), or slow a rank by changing its CPU quota.
+``injected(...)`` applies a fault for the length of a ``with`` block and then undoes it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+from bimetal.lab import cgroup, net
+
+if TYPE_CHECKING:
+    from bimetal.lab.cluster import LabCluster
+
+
+def _ends(lab: LabCluster, node: str, nic: int) -> list[tuple[str, str]]:
+    """Both ends of a node's NIC: (namespace, device) in the node and on the hub."""
+    i = lab.node_index(node)
+    if not 0 <= nic < lab.spec.nodes[i].nics:
+        raise net.LabError(f"node {node!r} of lab {lab.spec.lab_id} has no NIC {nic}; it has {lab.spec.nodes[i].nics}")
+    return [(lab.namespace(node), net.nic_name(nic)), (lab.hub, net.hub_port(i, nic))]
+
+
+def nic_down(lab: LabCluster, node: str, nic: int) -> None:
+    """Cut a NIC (both ends down, as a pulled cable): connections over it stall until it comes back."""
+    for ns, dev in _ends(lab, node, nic):
+        net.sh(["ip", "-n", ns, "link", "set", dev, "down"])
+
+
+def nic_up(lab: LabCluster, node: str, nic: int) -> None:
+    """Reconnect a NIC cut with ``nic_down``; its address and shaping come back with it."""
+    i = lab.node_index(node)
+    ns, dev = _ends(lab, node, nic)[0]
+    net.sh(["ip", "-n", lab.hub, "link", "set", net.hub_port(i, nic), "up"])
+    net.sh(["ip", "-n", ns, "link", "set", dev, "up"])
+    # Taking a link down flushes nothing in tbf, but the kernel drops the subnet route: put it back if gone.
+    routes = net.sh(["ip", "-n", ns, "route", "show", "dev", dev])
+    if f"{net.SUBNET}.{nic}.0/24" not in routes:
+        net.sh(["ip", "-n", ns, "route", "add", f"{net.SUBNET}.{nic}.0/24", "dev", dev], check=False)
+
+
+def set_link(lab: LabCluster, node: str, nic: int, rate_mbit: float | None = None,
+             latency_ms: float | None = None) -> None:
+    """Change a NIC's rate and/or one-way latency in both directions (latency > 0 needs netem)."""
+    spec = lab.spec.nodes[lab.node_index(node)]
+    rate = spec.rate_mbit if rate_mbit is None else rate_mbit
+    latency = spec.latency_ms if latency_ms is None else latency_ms
+    if rate <= 0:
+        raise net.LabError(f"rate_mbit must be positive, not {rate}; use nic_down to cut a link")
+    for ns, dev in _ends(lab, node, nic):
+        net.shape(ns, dev, rate, latency / 2, change=True)
+
+
+def add_loss(lab: LabCluster, node: str, nic: int, percent: float) -> None:
+    """Drop ``percent`` % of packets leaving the node on this NIC (netem loss below the rate limit)."""
+    spec = lab.spec.nodes[lab.node_index(node)]
+    ns, dev = _ends(lab, node, nic)[0]
+    net.sh(["tc", "qdisc", "del", "dev", dev, "root"], ns=ns, check=False)
+    try:
+        net.sh(["tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem", "loss", f"{percent:g}%",
+                "delay", f"{spec.latency_ms / 2:g}ms"], ns=ns)
+    except net.LabError:
+        net.shape(ns, dev, spec.rate_mbit, spec.latency_ms / 2)
+        raise net.LabError(
+            "this kernel has no netem qdisc (sch_netem), so links cannot drop packets; load the module "
+            "(modprobe sch_netem) or use nic_down / set_link(rate_mbit=...) as the fault"
+        ) from None
+    net.sh(["tc", "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:", "tbf",
+            *net.tbf_args(spec.rate_mbit)], ns=ns)
+
+
+def restore_link(lab: LabCluster, node: str, nic: int) -> None:
+    """Back to the spec's rate and latency, and up."""
+    nic_up(lab, node, nic)
+    set_link(lab, node, nic)
+
+
+def slow_rank(lab: LabCluster, node: str, local_rank: int, cpu_share: float | None) -> None:
+    """Cap (or with None uncap) one rank's CPU share at once: its cgroup's quota changes under it."""
+    n = lab.spec.nodes[lab.node_index(node)]
+    if not 0 <= local_rank < n.ranks:
+        raise net.LabError(f"node {node!r} has no local rank {local_rank}; it has {n.ranks}")
+    cgroup.require_cpu_controller()
+    cgroup.set_share(cgroup.rank_cgroup(lab.spec.lab_id, node, local_rank), cpu_share)
+
+
+def restore_rank(lab: LabCluster, node: str, local_rank: int) -> None:
+    n = lab.spec.nodes[lab.node_index(node)]
+    slow_rank(lab, node, local_rank, n.cpu_share[local_rank])
+
+
+@contextmanager
+def injected(apply: Callable[[], None], undo: Callable[[], None]) -> Iterator[None]:
+    """``with injected(lambda: nic_down(lab, "n0", 1), lambda: nic_up(lab, "n0", 1)): ...``"""
+    apply()
+    try:
+        yield
+    finally:
+        undo()

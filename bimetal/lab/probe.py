@@ -1,0 +1,75 @@
+"""An iperf-like TCP probe between lab nodes: proves that a link's rate limit is physical.
+
+The receiver runs in the destination namespace, bound to that node's NIC address; the sender runs in
+the source namespace and connects to it, so the bytes cross the shaped veth pair. Several streams over
+different NICs may run at once (the sum is what multi-NIC striping can at best reach).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from bimetal.lab.cluster import LabCluster
+
+_RECEIVER = r"""
+import json, socket, sys, time
+addr, port = sys.argv[1], int(sys.argv[2])
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind((addr, port)); s.listen(1)
+print("ready", flush=True)
+s.settimeout(30); c, _ = s.accept(); c.settimeout(30)
+n, t0 = 0, None
+while True:
+    b = c.recv(1 << 20)
+    if not b: break
+    if t0 is None: t0 = time.perf_counter()
+    n += len(b)
+t1 = time.perf_counter()
+print(json.dumps({"bytes": n, "seconds": t1 - (t0 or t1)}), flush=True)
+"""
+
+_SENDER = r"""
+import socket, sys, time
+addr, port, nbytes = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+c = socket.create_connection((addr, port), timeout=30)
+buf = b"\0" * (1 << 20)
+left = nbytes
+while left > 0:
+    c.sendall(buf[: min(left, len(buf))]); left -= min(left, len(buf))
+c.close()
+"""
+
+
+def tcp_throughput(lab: LabCluster, flows: list[tuple[str, str, int]], nbytes: int = 16 << 20,
+                   port: int = 5201, timeout: float = 60) -> list[float]:
+    """Run the flows ``(src_node, dst_node, nic)`` at once; returns each flow's Mbit/s at the receiver."""
+    receivers: list[subprocess.Popen[str]] = []
+    senders: list[subprocess.Popen[str]] = []
+    try:
+        for i, (_, dst, nic) in enumerate(flows):
+            addr = lab.address(dst, nic)
+            p = lab.popen(dst, [sys.executable, "-c", _RECEIVER, addr, str(port + i)],
+                          stdout=subprocess.PIPE, text=True)
+            receivers.append(p)
+            assert p.stdout is not None
+            if p.stdout.readline().strip() != "ready":
+                raise RuntimeError(f"probe receiver on {dst} {addr} did not start")
+        for i, (src, dst, nic) in enumerate(flows):
+            senders.append(lab.popen(src, [sys.executable, "-c", _SENDER, lab.address(dst, nic), str(port + i),
+                                           str(nbytes)]))
+        results: list[float] = []
+        for p in receivers:
+            out, _ = p.communicate(timeout=timeout)
+            data: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+            results.append(data["bytes"] * 8 / max(data["seconds"], 1e-9) / 1e6)
+        for p in senders:
+            p.wait(timeout=timeout)
+        return results
+    finally:
+        for p in [*receivers, *senders]:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=5)

@@ -17,6 +17,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from bimetal.errors import UserError
+
 PROTOCOL_ENV = "BIMETAL_DD_PROTOCOL"
 ENGINE_ENV = "BIMETAL_DD_ENGINE"
 VERBS_SYSFS = Path("/sys/class/infiniband")
@@ -25,7 +27,7 @@ VERBS_SYSFS = Path("/sys/class/infiniband")
 ENGINES = {"mooncake": "bimetal.comm.device_direct.mooncake"}
 
 
-class EngineUnavailableError(RuntimeError):
+class EngineUnavailableError(UserError, RuntimeError):
     """The engine cannot start here; the message names the missing piece and the fix in one sentence."""
 
 

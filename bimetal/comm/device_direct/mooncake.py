@@ -51,7 +51,7 @@ class MooncakeEngine(Engine):
             )
         self.session = f"{host}:{self._engine.get_rpc_port()}"
         self._peers: dict[int, str] = {}
-        self._registered: set[int] = set()
+        self._registered: dict[int, int] = {}  # ptr -> references (a tensor may be in two messages at once)
 
     def endpoint(self) -> dict[str, Any]:
         return {"engine": self.name, "protocol": self.protocol, "session": self.session}
@@ -68,14 +68,20 @@ class MooncakeEngine(Engine):
         self._peers[peer] = session
 
     def register(self, ptr: int, nbytes: int, location: str) -> None:
+        if ptr in self._registered:
+            self._registered[ptr] += 1
+            return
         rc = self._engine.register_memory(ptr, nbytes, location)
         if rc != 0:
             raise RuntimeError(f"Mooncake could not register {nbytes} bytes at {ptr:#x} on {location} (rc={rc})")
-        self._registered.add(ptr)
+        self._registered[ptr] = 1
 
     def unregister(self, ptr: int) -> None:
-        if ptr in self._registered:
-            self._registered.discard(ptr)
+        if ptr not in self._registered:
+            return
+        self._registered[ptr] -= 1
+        if self._registered[ptr] == 0:
+            del self._registered[ptr]
             self._engine.unregister_memory(ptr)
 
     def _session(self, peer: int) -> str:
@@ -113,7 +119,8 @@ class MooncakeEngine(Engine):
 
     def close(self) -> None:
         for ptr in list(self._registered):
-            self.unregister(ptr)
+            self._engine.unregister_memory(ptr)
+        self._registered.clear()
         # the pybind object frees the engine (and its listening socket) when the last reference goes
         self._engine = None
 

@@ -1,0 +1,208 @@
+"""``bimetal_device_direct``: the process group whose point-to-point data moves by one-sided engine writes.
+
+The training thread only enqueues (``send``/``recv`` return a Work at once); the proxy thread (``proxy.py``)
+owns the engine. Endpoint metadata and receive-pool addresses are exchanged over the group's store as JSON,
+validated field by field. Pipeline parallelism needs send/recv/isend/irecv/batch_isend_irecv; the few
+collectives the trainer runs on a pp group (loss broadcast, grad-norm all-reduce, barrier) are built from the
+same point-to-point messages with reserved tags.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import threading
+import weakref
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from bimetal.comm.base import BimetalProcessGroup, OpRecord, TransportError, check_dtype, completed_work, make_work
+from bimetal.comm.device_direct.engine import Engine
+from bimetal.comm.device_direct.proxy import Proxy
+
+_BCAST_TAG, _REDUCE_TAG, _BARRIER_TAG = -1, -2, -3  # user tags are >= 0, so collectives never steal a message
+_REDUCE = {dist.ReduceOp.SUM: torch.Tensor.add_, dist.ReduceOp.AVG: torch.Tensor.add_,
+           dist.ReduceOp.MAX: lambda a, b: torch.maximum(a, b, out=a), dist.ReduceOp.MIN: lambda a, b: torch.minimum(
+               a, b, out=a), dist.ReduceOp.PRODUCT: torch.Tensor.mul_}
+
+
+@dataclass(frozen=True)
+class DeviceDirectOptions:
+    """Knobs of the device-direct transport (pg_options keys, else ``BIMETAL_DD_*`` env vars)."""
+
+    host: str
+    """Address this rank's engine listens on (``BIMETAL_DD_HOST``; default: the first NIC of the host)."""
+    protocol: str = "auto"
+    """``rdma``, ``tcp`` or ``auto`` (RDMA where verbs devices exist)."""
+    engine: str = "mooncake"
+    """Which transfer engine adapter (``engine.ENGINES``)."""
+    chunk_bytes: int = 4 << 20
+    """Receive-slot size = the eager limit = the rendezvous write size."""
+    slots: int = 4
+    """Receive slots (credits) per peer."""
+    window: int = 4
+    """Rendezvous writes in flight per message."""
+    fallback: str = "error"
+    """When the engine cannot start: ``error`` (fail with the reason) or ``cpu-forward`` (warn and use it)."""
+
+
+def _publish(store: dist.Store, rank: int, record: dict[str, Any]) -> None:
+    store.set(f"bimetal_dd/{rank}", json.dumps(record))
+
+
+def _read(store: dist.Store, peer: int) -> dict[str, Any]:
+    record = json.loads(store.get(f"bimetal_dd/{peer}"))
+    if not isinstance(record, dict) or not isinstance(record.get("ok"), bool):
+        raise TransportError(f"malformed device-direct record from group rank {peer}: {record!r}")
+    if record["ok"]:
+        pools, ep = record.get("pools"), record.get("endpoint")
+        shape = (record.get("chunk_bytes"), record.get("slots"))
+        if not isinstance(ep, dict) or not isinstance(pools, dict) or not all(isinstance(v, int) for v in shape):
+            raise TransportError(f"malformed device-direct record from group rank {peer}: {record!r}")
+        if not all(k.isdigit() and isinstance(v, int) and v > 0 for k, v in pools.items()):
+            raise TransportError(f"malformed receive-pool addresses from group rank {peer}: {pools!r}")
+    elif not isinstance(record.get("reason"), str):
+        raise TransportError(f"malformed device-direct record from group rank {peer}: {record!r}")
+    return record
+
+
+class DeviceDirectProcessGroup(BimetalProcessGroup):
+    """Point-to-point over a transfer engine through a CPU proxy thread; see the module docstring."""
+
+    backend_name = "bimetal_device_direct"
+
+    def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta, global_ranks: list[int],
+                 engine: Engine, opts: DeviceDirectOptions, device: torch.device) -> None:
+        super().__init__(rank, size, timeout, global_ranks)
+        self.engine_name, self.protocol = engine.name, engine.protocol
+        self.proxy = Proxy(engine, rank, self.global_ranks, opts.chunk_bytes, opts.slots, opts.window,
+                           timeout.total_seconds(), device)
+        peers = [p for p in range(size) if p != rank]
+        pools = {str(p): self.proxy.add_peer(p) for p in peers}
+        _publish(store, rank, {"ok": True, "endpoint": engine.endpoint(), "pools": pools,
+                               "chunk_bytes": opts.chunk_bytes, "slots": opts.slots})
+        for p in peers:
+            record = _read(store, p)
+            if not record["ok"]:
+                raise TransportError(f"group rank {p} could not start its engine: {record['reason']}")
+            if (record["chunk_bytes"], record["slots"]) != (opts.chunk_bytes, opts.slots):
+                raise TransportError(f"group rank {p} uses device-direct chunk/slots {record['chunk_bytes']}/"
+                                     f"{record['slots']} but this rank {opts.chunk_bytes}/{opts.slots}; "
+                                     "set the same BIMETAL_DD_CHUNK_BYTES/BIMETAL_DD_SLOTS on every rank")
+            if str(rank) not in record["pools"]:
+                raise TransportError(f"group rank {p} published no receive pool for group rank {rank}")
+            self.proxy.connect(p, record["endpoint"], record["pools"][str(rank)])
+        self.proxy.start()
+        # backstop: the proxy never outlives the group, not even when nobody calls destroy_process_group
+        self._finalizer = weakref.finalize(self, Proxy.close, self.proxy)
+        atexit.register(self._finalizer)
+        self._lock = threading.Lock()
+
+    # -- point to point -----------------------------------------------------------------------------------
+
+    def _p2p(self, kind: str, tensors: list[torch.Tensor], peer: int, tag: int) -> dist.Work:
+        rec = self._begin(kind, peer)
+        if len(tensors) != 1:
+            raise self.unsupported(kind, f"{len(tensors)} tensors (exactly one is supported)")
+        (tensor,) = tensors
+        check_dtype(rec, tensor)
+        if not 0 <= peer < self._size or peer == self._rank:
+            raise TransportError(f"{rec.describe()}: peer must be another group rank (0..{self._size - 1})")
+        if not tensor.is_contiguous():
+            raise self.unsupported(kind, "a non-contiguous tensor")
+        return make_work(self._submit(rec, kind, tensor, peer, tag))
+
+    def _submit(self, rec: OpRecord, kind: str, tensor: torch.Tensor, peer: int, tag: int) -> torch.futures.Future:
+        fut = (self.proxy.send if kind == "send" else self.proxy.recv)(tensor, peer, tag, rec.describe())
+        nbytes = tensor.numel() * tensor.element_size()
+
+        def account(f: torch.futures.Future) -> list[torch.Tensor]:
+            f.value()  # re-raises the proxy's error
+            if kind == "send":
+                self.counters.add(bytes_sent=nbytes, bytes_direct=nbytes)
+            else:
+                self.counters.add(bytes_received=nbytes)
+            return [tensor]
+
+        return fut.then(account)
+
+    def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int = 0) -> dist.Work:  # noqa: N803
+        return self._p2p("send", tensors, dstRank, tag)
+
+    def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int = 0) -> dist.Work:  # noqa: N803
+        return self._p2p("recv", tensors, srcRank, tag)
+
+    # -- the few collectives a pp group sees, over point to point -------------------------------------------
+
+    def _wait(self, rec: OpRecord, futs: list[torch.futures.Future]) -> None:
+        for f in futs:
+            f.wait()
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:  # type: ignore[override]
+        rec = self._begin("broadcast")
+        root = getattr(opts, "rootRank", 0)
+        with self._lock:
+            for t in tensors:
+                check_dtype(rec, t)
+                if self._rank == root:
+                    self._wait(rec, [self._submit(rec, "send", t, p, _BCAST_TAG) for p in range(self._size)
+                                     if p != root])
+                else:
+                    self._wait(rec, [self._submit(rec, "recv", t, root, _BCAST_TAG)])
+        return completed_work(tensors)
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:  # type: ignore[override]
+        rec = self._begin("allreduce")
+        op = getattr(opts, "reduceOp", dist.ReduceOp.SUM)
+        reduce = next((fn for k, fn in _REDUCE.items() if op == k), None)
+        if reduce is None:
+            raise self.unsupported("allreduce", f"reduce op {op}")
+        with self._lock:
+            for t in tensors:
+                check_dtype(rec, t)
+                if self._rank == 0:  # gather to group rank 0 in rank order (deterministic), reduce, send back
+                    parts = [torch.empty_like(t) for _ in range(1, self._size)]
+                    self._wait(rec, [self._submit(rec, "recv", b, p + 1, _REDUCE_TAG) for p, b in enumerate(parts)])
+                    for b in parts:
+                        reduce(t, b)
+                    if op == dist.ReduceOp.AVG:
+                        t.div_(self._size)
+                    self._wait(rec, [self._submit(rec, "send", t, p, _REDUCE_TAG) for p in range(1, self._size)])
+                else:
+                    self._wait(rec, [self._submit(rec, "send", t, 0, _REDUCE_TAG)])
+                    self._wait(rec, [self._submit(rec, "recv", t, 0, _REDUCE_TAG)])
+        return completed_work(tensors)
+
+    def barrier(self, opts: Any = None) -> dist.Work:
+        token = torch.zeros(1, dtype=torch.int32, device=self.proxy.device)
+        rec = self._begin("barrier")
+        with self._lock:
+            if self._rank == 0:
+                self._wait(rec, [self._submit(rec, "recv", torch.empty_like(token), p, _BARRIER_TAG)
+                                 for p in range(1, self._size)])
+                self._wait(rec, [self._submit(rec, "send", token, p, _BARRIER_TAG) for p in range(1, self._size)])
+            else:
+                self._wait(rec, [self._submit(rec, "send", token, 0, _BARRIER_TAG)])
+                self._wait(rec, [self._submit(rec, "recv", token, 0, _BARRIER_TAG)])
+        return completed_work(None)
+
+    # -- life cycle and counters ----------------------------------------------------------------------------
+
+    def comm_stats(self) -> dict[str, int]:
+        """The base counters plus the proxy's: staged bytes are 0 unless a CPU pool fed a GPU tensor."""
+        stats = self.counters.snapshot()
+        stats["bytes_staged"] += self.proxy.staged_bytes
+        stats["landing_copy_bytes"] = self.proxy.landing_copy_bytes
+        return stats
+
+    @property
+    def proxy_alive(self) -> bool:
+        return self.proxy.alive
+
+    def shutdown(self) -> None:  # type: ignore[override]
+        super().shutdown()
+        self._finalizer()  # joins the proxy thread, releases registered memory and the engine

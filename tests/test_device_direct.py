@@ -1,0 +1,197 @@
+"""The device-direct process group between two real processes: the real Mooncake engine over TCP loopback.
+
+Each test spawns two ranks against a TCPStore hosted here; every rank checks its own half and writes a JSON
+verdict, so a failure names the rank and the check.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+import traceback
+import zlib
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+pytestmark = pytest.mark.timeout(120)
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.uint8, torch.bool]
+SIZES = [1, 3, 4096, 1 << 20, (4 << 20) + 5, 9 << 20]  # bytes: eager, chunk edge, multi-chunk rendezvous
+CHUNK = 4 << 20
+
+
+def _payload(dtype: torch.dtype, nbytes: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    n = max(1, nbytes // torch.empty((), dtype=dtype).element_size())
+    if dtype == torch.bool:
+        return torch.randint(0, 2, (n,), generator=g, dtype=torch.uint8).bool()
+    # random bit patterns (NaNs and infinities included): "bit-identical" is checked on the bytes
+    raw = torch.randint(0, 256, (n * torch.empty((), dtype=dtype).element_size(),), generator=g, dtype=torch.uint8)
+    return raw.view(dtype)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def _join_world(rank: int, port: int, timeout_s: float) -> dist.ProcessGroup:
+    torch.set_num_threads(1)
+    os.environ.update(BIMETAL_DD_HOST="127.0.0.1", BIMETAL_DD_PROTOCOL="tcp", GLOG_minloglevel="2")
+    import bimetal  # noqa: F401  (registers the back-ends)
+
+    store = dist.TCPStore("127.0.0.1", port, 2, False, timeout=timedelta(seconds=30))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    return dist.new_group([0, 1], backend="bimetal_device_direct", timeout=timedelta(seconds=timeout_s))
+
+
+def _rank(rank: int, port: int, scenario: str, out: str) -> None:
+    verdict: dict = {"ok": False}
+    try:
+        verdict = SCENARIOS[scenario](rank, port)
+        verdict.setdefault("ok", True)
+    except BaseException as exc:  # noqa: BLE001 - the verdict carries the traceback back to the test
+        verdict = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}
+    Path(out, f"r{rank}.json").write_text(json.dumps(verdict))
+    if scenario != "killed":
+        dist.destroy_process_group()
+
+
+def _exchange(rank: int, port: int) -> dict:
+    pg = _join_world(rank, port, 60)
+    peer = 1 - rank
+    checked = 0
+    # every dtype and size, both directions: rank 0 sends first, then rank 1
+    for dtype in DTYPES:
+        for i, nbytes in enumerate(SIZES):
+            for sender in (0, 1):
+                seed = zlib.crc32(f"{dtype}/{nbytes}/{sender}".encode())
+                want = _payload(dtype, nbytes, seed)
+                if rank == sender:
+                    dist.send(want, peer, group=pg, tag=i)
+                else:
+                    got = torch.empty_like(want)
+                    dist.recv(got, peer, group=pg, tag=i)
+                    assert _same_bits(got, want), f"{dtype} {nbytes} B from rank {sender} differs"
+                    checked += 1
+    big = _payload(torch.uint8, 256 << 20, 7)
+    if rank == 0:
+        dist.send(big, 1, group=pg)
+    else:
+        got = torch.empty_like(big)
+        dist.recv(got, 0, group=pg)
+        assert _same_bits(got, big), "256 MiB message differs"
+        checked += 1
+    # many messages in flight both ways (as 1F1B makes): more than the credits, eager and rendezvous mixed
+    sizes = [(k * 977) % (6 << 20) + 1 for k in range(48)]
+    ops, recvs = [], []
+    for k, n in enumerate(sizes):
+        mine = _payload(torch.uint8, n, 1000 * rank + k)
+        recvs.append((torch.empty(n, dtype=torch.uint8), _payload(torch.uint8, n, 1000 * peer + k)))
+        ops.append(dist.P2POp(dist.isend, mine, peer, pg, tag=k % 3))
+        ops.append(dist.P2POp(dist.irecv, recvs[-1][0], peer, pg, tag=k % 3))
+    works = dist.batch_isend_irecv(ops)
+    assert all(w is not None for w in works)
+    for w in works:
+        w.wait()
+    assert all(_same_bits(got, want) for got, want in recvs), "a message in flight arrived corrupted"
+    # the futures resolve to the tensors (what DDP-style callers chain on)
+    t = torch.full((3,), float(rank))
+    fut = (pg.send([t], peer, 9) if rank == 0 else pg.recv([t], peer, 9)).get_future()
+    assert fut.wait()[0] is t and t.tolist() == [0.0, 0.0, 0.0]
+    # collectives a pp group sees, built on p2p
+    x = torch.tensor([1.0 + rank, 10.0])
+    dist.all_reduce(x, group=pg)
+    assert x.tolist() == [3.0, 20.0], x
+    dist.barrier(group=pg)
+    stats = pg.comm_stats()
+    assert stats["bytes_staged"] == 0, stats
+    assert stats["bytes_direct"] == stats["bytes_sent"] > (256 << 20 if rank == 0 else 0), stats
+    proxy = pg.proxy
+    dist.destroy_process_group(pg)
+    assert not proxy.alive, "the proxy thread outlived destroy_process_group"
+    assert not [th for th in threading.enumerate() if th.name.startswith("bimetal-dd-proxy")]
+    return {"checked": checked, "stats": stats}
+
+
+def _layers() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(4)])
+
+
+def _pipeline(rank: int, port: int) -> dict:
+    from bimetal.train.pipeline import PipelineRunner
+
+    dd = _join_world(rank, port, 60)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g)
+    grads = {}
+    for name, group in (("gloo", dist.group.WORLD), ("dd", dd)):
+        stage = _layers()[2 * rank: 2 * rank + 2]
+        ex = torch.zeros(2, 16)
+        runner = PipelineRunner(stage, rank, 2, group, 4, "1f1b", lambda o, t: ((o - t) ** 2).mean(),
+                                torch.device("cpu"), ex, ex)
+        loss = runner.step(x if rank == 0 else None, y if rank == 1 else None)
+        grads[name] = [p.grad.clone() for p in stage.parameters()] + [loss]
+    assert all(torch.equal(a, b) for a, b in zip(grads["gloo"], grads["dd"])), "1F1B gradients differ from Gloo"
+    assert dd.comm_stats()["bytes_staged"] == 0 and dd.comm_stats()["bytes_sent"] > 0
+    return {"loss": float(grads["dd"][-1])}
+
+
+def _killed(rank: int, port: int) -> dict:
+    pg = _join_world(rank, port, 8)
+    dist.barrier(group=pg)
+    if rank == 1:
+        os._exit(0)  # dies without a word: no shutdown, no notification
+    t0 = time.monotonic()
+    try:
+        dist.recv(torch.empty(16), 1, group=pg)
+    except Exception as exc:  # noqa: BLE001 - the message is what the test checks
+        return {"error": str(exc), "seconds": time.monotonic() - t0, "alive_after": _close(pg)}
+    raise AssertionError("recv from a dead peer returned")
+
+
+def _close(pg: dist.ProcessGroup) -> bool:
+    pg.shutdown()
+    return pg.proxy.alive
+
+
+SCENARIOS = {"exchange": _exchange, "pipeline": _pipeline, "killed": _killed}
+
+
+def _spawn(scenario: str, tmp_path: Path) -> list[dict]:
+    store = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=timedelta(seconds=60), wait_for_workers=False)
+    ctx = mp.start_processes(_rank, args=(store.port, scenario, str(tmp_path)), nprocs=2, start_method="spawn",
+                             join=False)
+    while not ctx.join(timeout=100):
+        pass
+    return [json.loads(p.read_text()) for p in sorted(tmp_path.glob("r*.json"))]
+
+
+def test_all_dtypes_sizes_in_flight_and_zero_staged(tmp_path: Path) -> None:
+    verdicts = _spawn("exchange", tmp_path)
+    assert len(verdicts) == 2
+    for r, v in enumerate(verdicts):
+        assert v["ok"], f"rank {r}: {v.get('trace') or v}"
+    assert verdicts[0]["checked"] + verdicts[1]["checked"] == 2 * len(DTYPES) * len(SIZES) + 1
+
+
+def test_1f1b_over_device_direct_matches_gloo(tmp_path: Path) -> None:
+    verdicts = _spawn("pipeline", tmp_path)
+    for r, v in enumerate(verdicts):
+        assert v["ok"], f"rank {r}: {v.get('trace') or v}"
+
+
+def test_killed_peer_fails_the_survivor_naming_it(tmp_path: Path) -> None:
+    verdicts = _spawn("killed", tmp_path)
+    survivor = verdicts[0]
+    assert survivor["ok"], survivor
+    assert "peer rank 1" in survivor["error"] and "recv" in survivor["error"], survivor["error"]
+    assert survivor["seconds"] < 8 + 2, survivor
+    assert survivor["alive_after"] is False

@@ -1,0 +1,33 @@
+"""cpu-forward transport: device -> pinned host -> Gloo (striped over NICs) -> host -> device.
+
+Registered as ``bimetal_cpu_forward`` (``bimetal.comm.registry``). Options: pass a
+``CpuForwardOptions`` as ``pg_options`` to ``dist.new_group``, or set the environment variables
+``BIMETAL_CF_STRIPES`` (Gloo contexts per group), ``BIMETAL_CF_IFACES`` (comma-separated interface per
+stripe), ``BIMETAL_CF_CHUNK_BYTES`` (pipelining chunk, default 4 MiB), ``BIMETAL_CF_POOL_BUFFERS``
+(pinned buffers per chunk size, default 8) and ``BIMETAL_CF_CHECKSUM=1`` (CRC32 on point-to-point
+messages; a mismatch fails the receive instead of training on corrupted data).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from bimetal.comm.cpu_forward.pg import CpuForwardProcessGroup
+from bimetal.comm.striping import CpuForwardOptions, build_stripes, choose_interfaces
+
+__all__ = ["CpuForwardOptions", "CpuForwardProcessGroup", "create_process_group"]
+
+
+def create_process_group(dist_backend_opts: Any, pg_options: Any) -> CpuForwardProcessGroup:
+    """The creator torch calls (extended API) for every group on ``bimetal_cpu_forward``."""
+    opts = pg_options if isinstance(pg_options, CpuForwardOptions) else CpuForwardOptions()
+    opts = opts.resolved()
+    rank, size = dist_backend_opts.group_rank, dist_backend_opts.group_size
+    timeout = dist_backend_opts.timeout
+    interfaces = choose_interfaces(opts)
+    stripes = build_stripes(dist_backend_opts.store, rank, size, timeout, interfaces)
+    checksum = os.environ.get("BIMETAL_CF_CHECKSUM", "") not in ("", "0")
+    return CpuForwardProcessGroup(stripes, rank, size, timeout, opts,
+                                  global_ranks=list(dist_backend_opts.global_ranks_in_group) or None,
+                                  interfaces=interfaces, checksum=checksum)

@@ -1,0 +1,480 @@
+"""The cpu-forward process group: every tensor crosses through host memory and Gloo over TCP.
+
+Threads: each (direction, peer) of point-to-point traffic has its own worker, so a send that waits for a
+slow receiver never holds up traffic with another peer or in the other direction (1F1B has both in
+flight); collectives run on one worker in issue order, which is the same on every rank. The caller only
+enqueues and gets a ``Work``; the worker posts the Gloo operations of every chunk (they progress
+concurrently, over several stripes), waits for them with the group's deadline, and completes the future.
+
+Device tensors are staged chunk by chunk through pinned buffers from a pool (see ``staging``): for a send,
+the device-to-host copies of all chunks are queued on a side stream with one event each, and chunk i is
+posted to Gloo as soon as its event fires, while later chunks are still copying; for a receive, chunk i is
+copied to the device while chunk i+1 is still arriving. CPU tensors go to Gloo as they are.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import zlib
+from collections import deque
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import (
+    AllgatherOptions,
+    AllreduceOptions,
+    AllToAllOptions,
+    BarrierOptions,
+    BroadcastOptions,
+    GatherOptions,
+    ReduceOptions,
+    ReduceScatterOptions,
+    ScatterOptions,
+)
+
+from bimetal.comm.base import (
+    BimetalProcessGroup,
+    OpRecord,
+    TransportError,
+    TransportTimeout,
+    UnsupportedOperation,
+    check_dtype,
+    make_work,
+)
+from bimetal.comm.staging import CopyStreams, PinnedPool, copy_to_device, copy_to_host, is_device
+from bimetal.comm.striping import CpuForwardOptions, chunk_plan
+
+_STOP = object()
+
+
+class _Worker:
+    """One thread running jobs in order; each job completes its own future."""
+
+    def __init__(self, name: str):
+        self._jobs: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        self._jobs.put(job)
+
+    def _loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is _STOP:
+                return
+            job()
+
+    def stop(self, timeout: float) -> None:
+        self._jobs.put(_STOP)
+        self._thread.join(timeout)
+
+
+class _Deadline:
+    def __init__(self, op: OpRecord, timeout: timedelta):
+        self.op, self.timeout = op, timeout
+        self.end = time.monotonic() + timeout.total_seconds()
+
+    def wait(self, work: dist.Work) -> None:
+        remaining = self.end - time.monotonic()
+        if remaining <= 0:
+            raise self.expired()
+        try:
+            work.wait(timedelta(seconds=remaining))
+        except RuntimeError as exc:
+            text = str(exc)
+            if "timed out" in text.lower() or "timeout" in text.lower():
+                raise self.expired() from None
+            raise TransportError(f"{self.op.describe()} failed: {text.splitlines()[0]}") from None
+
+    def expired(self) -> TransportTimeout:
+        return TransportTimeout(f"{self.op.describe()} did not complete within {self.timeout.total_seconds():g} s "
+                                "(the peer did not answer: dead, stalled or in a different operation)")
+
+
+class CpuForwardProcessGroup(BimetalProcessGroup):
+    """``bimetal_cpu_forward``: Gloo stripes + host staging, with the ops torch's parallel code uses."""
+
+    backend_name = "bimetal_cpu_forward"
+
+    def __init__(self, stripes: list[dist.ProcessGroupGloo], rank: int, size: int, timeout: timedelta,
+                 options: CpuForwardOptions, global_ranks: list[int] | None = None,
+                 interfaces: list[str | None] | None = None, checksum: bool = False):
+        super().__init__(rank, size, timeout, global_ranks)
+        self.stripes: list[Any] = list(stripes)  # Any: torch's stubs for ProcessGroupGloo lack most ops
+        self.options = options
+        self.interfaces = interfaces or [None] * len(stripes)
+        self.checksum = checksum
+        self.pool = PinnedPool(options.pool_buffers)
+        self._streams = CopyStreams()
+        self._workers: dict[Any, _Worker] = {}
+        self._workers_lock = threading.Lock()
+        self._stripe_turn: dict[tuple[str, int], int] = {}
+        self._fault: str | None = None
+
+    # --- plumbing ------------------------------------------------------------------------------------
+    def _worker(self, key: Any) -> _Worker:
+        with self._workers_lock:
+            if key not in self._workers:
+                self._workers[key] = _Worker(f"bimetal-cf-{self.description}-{key}")
+            return self._workers[key]
+
+    def _submit(self, key: Any, op: OpRecord, body: Callable[[_Deadline], Any]) -> dist.Work:
+        fut: torch.futures.Future = torch.futures.Future()
+
+        def job() -> None:
+            try:
+                fut.set_result(body(_Deadline(op, self.timeout)))
+            except TransportError as exc:
+                fut.set_exception(exc)
+            except Exception as exc:  # a Gloo or torch error: name the op, keep the cause's first line
+                fut.set_exception(TransportError(f"{op.describe()} failed: {str(exc).splitlines()[0]}"))
+
+        self._worker(key).submit(job)
+        return make_work(fut)
+
+    def _first_stripe(self, direction: str, peer: int) -> int:
+        # k-th send to a peer pairs with its k-th receive from us: both sides rotate the same way.
+        key = (direction, peer)
+        turn = self._stripe_turn.get(key, 0)
+        self._stripe_turn[key] = turn + 1
+        return turn % len(self.stripes)
+
+    def inject_fault(self, kind: str | None) -> None:
+        """Test hook: ``"corrupt"`` flips one byte of the next message sent (after its checksum)."""
+        self._fault = kind
+
+    # --- point to point ------------------------------------------------------------------------------
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> dist.Work:  # type: ignore[override]
+        (tensor,) = tensors
+        op = self._begin("send", dst)
+        check_dtype(op, tensor)
+        first = self._first_stripe("send", dst)
+        if is_device(tensor):
+            return self._submit(("send", dst), op, lambda d: self._send_staged(tensor, dst, tag, first, d))
+        flat = tensor.detach().reshape(-1) if tensor.is_contiguous() else tensor.detach().contiguous().view(-1)
+        return self._submit(("send", dst), op, lambda d: self._send_host(flat, dst, tag, first, d))
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> dist.Work:  # type: ignore[override]
+        (tensor,) = tensors
+        op = self._begin("recv", src)
+        check_dtype(op, tensor)
+        first = self._first_stripe("recv", src)
+        if is_device(tensor):
+            return self._submit(("recv", src), op, lambda d: self._recv_staged(tensor, src, tag, first, d))
+        return self._submit(("recv", src), op, lambda d: self._recv_host(tensor, src, tag, first, d))
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> dist.Work:  # type: ignore[override]
+        raise self.unsupported("recv", "any source")
+
+    def _plan(self, numel: int, esize: int, first: int) -> list[tuple[int, int, int]]:
+        return chunk_plan(numel, esize, self.options.chunk_bytes, len(self.stripes), first)
+
+    def _send_host(self, flat: torch.Tensor, dst: int, tag: int, first: int, d: _Deadline) -> None:
+        data = flat.view(torch.uint8) if flat.dtype == torch.bool else flat
+        crc = self._crc(data) if self.checksum else None
+        if self._fault == "corrupt" and data.numel():
+            data = data.clone()
+            data.view(torch.uint8)[0] ^= 0xFF
+            self._fault = None
+        plan = self._plan(data.numel(), data.element_size(), first)
+        works = [self.stripes[s].send([data[a:b]], dst, tag) for a, b, s in plan]
+        if crc is not None:
+            works.append(self.stripes[plan[-1][2]].send([crc], dst, tag))
+        for w in works:
+            d.wait(w)
+        self.counters.add(bytes_sent=data.numel() * data.element_size(),
+                          bytes_direct=data.numel() * data.element_size())
+
+    def _recv_host(self, tensor: torch.Tensor, src: int, tag: int, first: int, d: _Deadline) -> None:
+        direct = tensor.is_contiguous()
+        target = tensor.view(-1) if direct else torch.empty(tensor.numel(), dtype=tensor.dtype)
+        data = target.view(torch.uint8) if target.dtype == torch.bool else target
+        plan = self._plan(data.numel(), data.element_size(), first)
+        works = [self.stripes[s].recv([data[a:b]], src, tag) for a, b, s in plan]
+        crc = torch.zeros(1, dtype=torch.int64) if self.checksum else None
+        if crc is not None:
+            works.append(self.stripes[plan[-1][2]].recv([crc], src, tag))
+        for w in works:
+            d.wait(w)
+        if crc is not None and int(crc.item()) != int(self._crc(data).item()):
+            raise TransportError(f"{d.op.describe()}: checksum mismatch, the data was corrupted in transit "
+                                 "(not used)")
+        if not direct:
+            tensor.copy_(target.view(tensor.shape))
+        self.counters.add(bytes_received=data.numel() * data.element_size(),
+                          bytes_direct=data.numel() * data.element_size())
+
+    @staticmethod
+    def _crc(data: torch.Tensor) -> torch.Tensor:
+        raw = data.contiguous().view(torch.uint8).numpy()
+        return torch.tensor([zlib.crc32(raw)], dtype=torch.int64)  # type: ignore[arg-type]
+
+    def _send_staged(self, tensor: torch.Tensor, dst: int, tag: int, first: int, d: _Deadline) -> None:
+        flat = tensor.detach().reshape(-1)
+        d2h, _ = self._streams.pair(tensor.device)
+        plan = self._plan(flat.numel(), flat.element_size(), first)
+        size, depth = plan[0][1] - plan[0][0], max(1, self.options.pool_buffers // 2)
+        copies: deque[tuple[int, int, int, torch.Tensor, object]] = deque()  # D2H queued, not yet sent
+        inflight: deque[tuple[dist.Work, torch.Tensor]] = deque()  # posted to Gloo
+        nxt = 0
+
+        def queue_copy(buf: torch.Tensor) -> None:
+            nonlocal nxt
+            a, b, s = plan[nxt]
+            copies.append((a, b, s, buf, copy_to_host(flat[a:b], buf[:b - a], d2h)))
+            nxt += 1
+
+        while nxt < len(plan) and len(copies) < depth:  # the GPU copies ahead while the network sends
+            queue_copy(self.pool.take(flat.dtype, size, self.timeout))
+        while copies:
+            a, b, s, buf, event = copies.popleft()
+            event.synchronize()  # type: ignore[attr-defined]
+            inflight.append((self.stripes[s].send([buf[:b - a]], dst, tag), buf))
+            if nxt < len(plan):  # keep `depth` chunks on the wire; then reuse the oldest sent buffer
+                if len(inflight) < depth:
+                    queue_copy(self.pool.take(flat.dtype, size, self.timeout))
+                else:
+                    w, old = inflight.popleft()
+                    d.wait(w)
+                    queue_copy(old)
+        while inflight:
+            w, buf = inflight.popleft()
+            d.wait(w)
+            self.pool.give(buf)
+        nbytes = flat.numel() * flat.element_size()
+        self.counters.add(bytes_sent=nbytes, bytes_staged=nbytes)
+
+    def _recv_staged(self, tensor: torch.Tensor, src: int, tag: int, first: int, d: _Deadline) -> None:
+        out = tensor.view(-1) if tensor.is_contiguous() else torch.empty_like(tensor).view(-1)
+        _, h2d = self._streams.pair(tensor.device)
+        plan = self._plan(out.numel(), out.element_size(), first)
+        size = plan[0][1] - plan[0][0]
+        depth = max(1, self.options.pool_buffers // 2)
+        posted: deque[tuple[int, int, dist.Work, torch.Tensor]] = deque()
+        copying: deque[tuple[object, torch.Tensor]] = deque()
+        nxt = 0
+        while nxt < len(plan) or posted:
+            while nxt < len(plan) and len(posted) < depth:  # keep several chunks arriving
+                a, b, s = plan[nxt]
+                buf = self.pool.take(out.dtype, size, self.timeout)
+                posted.append((a, b, self.stripes[s].recv([buf[:b - a]], src, tag), buf))
+                nxt += 1
+            a, b, w, buf = posted.popleft()
+            d.wait(w)
+            copying.append((copy_to_device(buf[:b - a], out[a:b], h2d), buf))
+            while len(copying) > depth:
+                event, old = copying.popleft()
+                event.synchronize()  # type: ignore[attr-defined]
+                self.pool.give(old)
+        for event, buf in copying:
+            event.synchronize()  # type: ignore[attr-defined]
+            self.pool.give(buf)
+        if not tensor.is_contiguous():
+            tensor.copy_(out.view(tensor.shape))
+        nbytes = out.numel() * out.element_size()
+        self.counters.add(bytes_received=nbytes, bytes_staged=nbytes)
+
+    # --- collectives ---------------------------------------------------------------------------------
+    def _collective(self, name: str, ins: list[torch.Tensor], outs: list[torch.Tensor],
+                    call: Callable[[Callable[[torch.Tensor], torch.Tensor]], list[dist.Work]]) -> dist.Work:
+        # ``body`` returns the outputs: the future's value, like NCCL's
+        """Run ``call(host)`` on the collective worker; ``host(t)`` is t's host (contiguous) stand-in."""
+        op = self._begin(name)
+        for t in (*ins, *outs):
+            check_dtype(op, t)
+
+        def body(d: _Deadline) -> list[torch.Tensor]:
+            stand_in: dict[int, torch.Tensor] = {}
+            in_ids = {id(t) for t in ins}
+
+            def host(t: torch.Tensor) -> torch.Tensor:
+                if id(t) not in stand_in:
+                    if not is_device(t) and t.is_contiguous():
+                        stand_in[id(t)] = t
+                    elif id(t) in in_ids:
+                        stand_in[id(t)] = t.detach().to("cpu", copy=True).contiguous()
+                    else:
+                        stand_in[id(t)] = torch.empty(t.shape, dtype=t.dtype)
+                return stand_in[id(t)]
+
+            for w in call(host):
+                d.wait(w)
+            staged = 0
+            for t in outs:
+                h = stand_in.get(id(t))
+                if h is not None and h is not t:
+                    t.copy_(h)
+                    staged += h.numel() * h.element_size()
+            staged += sum(t.numel() * t.element_size() for t in ins if is_device(t))
+            self.counters.add(bytes_staged=staged)
+            return list(outs)  # what NCCL's futures hold: the output tensors
+
+        return self._submit("collective", op, body)
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:  # type: ignore[override]
+        opts = opts or AllreduceOptions()
+
+        def call(host: Callable[[torch.Tensor], torch.Tensor]) -> list[dist.Work]:
+            works = []
+            for t in tensors:
+                h = host(t)
+                parts = self._stripe_parts(h)
+                for i, part in enumerate(parts):
+                    o = AllreduceOptions()
+                    o.reduceOp = opts.reduceOp
+                    works.append(self.stripes[i].allreduce([part], o))
+            return works
+
+        return self._collective("all_reduce", tensors, tensors, call)
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:  # type: ignore[override]
+        return self.allreduce(tensors, opts)
+
+    def _stripe_parts(self, h: torch.Tensor) -> list[torch.Tensor]:
+        k = len(self.stripes)
+        if k == 1 or h.numel() * h.element_size() < 2 * self.options.chunk_bytes:
+            return [h]
+        return [p for p in h.view(-1).tensor_split(k) if p.numel()]
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:  # type: ignore[override]
+        opts = opts or BroadcastOptions()
+        root = opts.rootRank
+        ins = tensors if self._rank == root else []
+
+        def call(host: Callable[[torch.Tensor], torch.Tensor]) -> list[dist.Work]:
+            works = []
+            for t in tensors:
+                for i, part in enumerate(self._stripe_parts(host(t))):
+                    o = BroadcastOptions()
+                    o.rootRank = root
+                    works.append(self.stripes[i].broadcast([part], o))
+            return works
+
+        return self._collective("broadcast", ins, tensors, call)
+
+    def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],  # type: ignore[override]
+                  opts: Any = None) -> dist.Work:
+        outs = [t for lst in output_lists for t in lst]
+        return self._collective("all_gather", inputs, outs, lambda h: [self.stripes[0].allgather(
+            [[h(t) for t in lst] for lst in output_lists], [h(t) for t in inputs], AllgatherOptions())])
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,  # type: ignore[override]
+                          opts: Any = None) -> dist.Work:
+        return self._collective("all_gather_into_tensor", [input], [output], lambda h: [
+            self.stripes[0]._allgather_base(h(output), h(input), AllgatherOptions())])
+
+    _allgather_base = all_gather_single  # type: ignore[assignment]
+
+    def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],  # type: ignore[override]
+                                        opts: Any = None) -> dist.Work:
+        return self._collective("all_gather_into_tensor_coalesced", inputs, outputs, lambda h: [
+            self.stripes[0]._allgather_base(h(o), h(i), AllgatherOptions()) for o, i in zip(outputs, inputs)])
+
+    def reduce_scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]],  # type: ignore[override]
+                       opts: Any = None) -> dist.Work:
+        opts = opts or ReduceScatterOptions()
+        ins = [t for lst in input_lists for t in lst]
+
+        def call(h: Callable[[torch.Tensor], torch.Tensor]) -> list[dist.Work]:
+            o = ReduceScatterOptions()
+            o.reduceOp = opts.reduceOp
+            return [self.stripes[0].reduce_scatter([h(t) for t in outputs], [[h(t) for t in lst]
+                                                                            for lst in input_lists], o)]
+
+        return self._collective("reduce_scatter", ins, outputs, call)
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,  # type: ignore[override]
+                              opts: Any = None) -> dist.Work:
+        opts = opts or ReduceScatterOptions()
+
+        def call(h: Callable[[torch.Tensor], torch.Tensor]) -> list[dist.Work]:
+            o = ReduceScatterOptions()
+            o.reduceOp = opts.reduceOp
+            return [self.stripes[0]._reduce_scatter_base(h(output), h(input), o)]
+
+        return self._collective("reduce_scatter_tensor", [input], [output], call)
+
+    _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]
+
+    def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],  # type: ignore[override]
+                                        opts: Any = None) -> dist.Work:
+        opts = opts or ReduceScatterOptions()
+
+        def call(h: Callable[[torch.Tensor], torch.Tensor]) -> list[dist.Work]:
+            works = []
+            for out, inp in zip(outputs, inputs):
+                o = ReduceScatterOptions()
+                o.reduceOp = opts.reduceOp
+                works.append(self.stripes[0]._reduce_scatter_base(h(out), h(inp), o))
+            return works
+
+        return self._collective("reduce_scatter_tensor_coalesced", inputs, outputs, call)
+
+    def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],  # type: ignore[override]
+                      input_split_sizes: list[int], opts: Any = None) -> dist.Work:
+        return self._collective("all_to_all_single", [input], [output], lambda h: [self.stripes[0].alltoall_base(
+            h(output), h(input), list(output_split_sizes), list(input_split_sizes), AllToAllOptions())])
+
+    all_to_all_single = alltoall_base  # type: ignore[assignment]
+
+    def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],  # type: ignore[override]
+                 opts: Any = None) -> dist.Work:
+        return self._collective("all_to_all", inputs, outputs, lambda h: [self.stripes[0].alltoall(
+            [h(t) for t in outputs], [h(t) for t in inputs], AllToAllOptions())])
+
+    def barrier(self, opts: Any = None) -> dist.Work:  # type: ignore[override]
+        return self._collective("barrier", [], [], lambda h: [self.stripes[0].barrier(BarrierOptions())])
+
+    def scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]],  # type: ignore[override]
+                opts: Any = None) -> dist.Work:
+        opts = opts or ScatterOptions()
+        ins = [t for lst in input_lists for t in lst]
+
+        def call(h: Callable[[torch.Tensor], torch.Tensor]) -> list[dist.Work]:
+            o = ScatterOptions()
+            o.rootRank = opts.rootRank
+            return [self.stripes[0].scatter([h(t) for t in outputs], [[h(t) for t in lst] for lst in input_lists], o)]
+
+        return self._collective("scatter", ins, outputs, call)
+
+    def gather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],  # type: ignore[override]
+               opts: Any = None) -> dist.Work:
+        opts = opts or GatherOptions()
+        outs = [t for lst in output_lists for t in lst]
+
+        def call(h: Callable[[torch.Tensor], torch.Tensor]) -> list[dist.Work]:
+            o = GatherOptions()
+            o.rootRank = opts.rootRank
+            return [self.stripes[0].gather([[h(t) for t in lst] for lst in output_lists], [h(t) for t in inputs], o)]
+
+        return self._collective("gather", inputs, outs, call)
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:  # type: ignore[override]
+        opts = opts or ReduceOptions()
+
+        def call(h: Callable[[torch.Tensor], torch.Tensor]) -> list[dist.Work]:
+            o = ReduceOptions()
+            o.reduceOp, o.rootRank, o.rootTensor = opts.reduceOp, opts.rootRank, opts.rootTensor
+            return [self.stripes[0].reduce([h(t) for t in tensors], o)]
+
+        return self._collective("reduce", tensors, tensors, call)
+
+    def monitored_barrier(self, opts: Any = None, wait_all_ranks: bool = False) -> None:  # type: ignore[override]
+        raise UnsupportedOperation(f"group {self.description!r}: monitored_barrier is not supported by "
+                                   f"{self.backend_name}; use barrier (it has the group's timeout)")
+
+    def shutdown(self) -> None:  # type: ignore[override]
+        if self._closed:
+            return
+        super().shutdown()
+        with self._workers_lock:
+            workers, self._workers = list(self._workers.values()), {}
+        for w in workers:
+            w.stop(timeout=5.0)
+        self.stripes = []

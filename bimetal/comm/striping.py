@@ -1,0 +1,112 @@
+"""Multi-NIC parallel transfer: K Gloo contexts, each bound to one network interface, and the plan that
+splits a message into chunks carried by the stripes concurrently.
+
+Interface choice, first that applies:
+1. ``CpuForwardOptions.interfaces`` (or ``BIMETAL_CF_IFACES="eth0,eth1"``): stripe i binds to the i-th name;
+2. ``stripes=K`` with a node that lists several NICs (``local_nics()``): local rank i starts at NIC i and
+   takes K consecutive NICs (one NIC per GPU by default, all of them for a large stripe count);
+3. otherwise one stripe on Gloo's default device (which honours ``GLOO_SOCKET_IFNAME``).
+Every stripe is a full ``ProcessGroupGloo`` of the group, built on its own prefix of the group store
+(``dist.new_group`` would ignore the device options, see DESIGN.md).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from bimetal.errors import UserError
+
+ENV_STRIPES = "BIMETAL_CF_STRIPES"
+ENV_IFACES = "BIMETAL_CF_IFACES"
+ENV_CHUNK = "BIMETAL_CF_CHUNK_BYTES"
+ENV_POOL = "BIMETAL_CF_POOL_BUFFERS"
+
+DEFAULT_CHUNK_BYTES = 4 * 2**20
+
+
+@dataclass
+class CpuForwardOptions:
+    """Options of a cpu-forward group (``pg_options`` of ``dist.new_group``; env vars fill what is unset)."""
+
+    stripes: int = 0
+    """Gloo contexts per group; 0: from ``BIMETAL_CF_STRIPES`` or the interface list, else 1."""
+    interfaces: list[str] = field(default_factory=list)
+    """Interface name per stripe (``BIMETAL_CF_IFACES``); empty: from the topology or Gloo's default."""
+    chunk_bytes: int = 0
+    """Chunk size of pipelined transfers (``BIMETAL_CF_CHUNK_BYTES``); 0: 4 MiB."""
+    pool_buffers: int = 0
+    """Pinned staging buffers per chunk size (``BIMETAL_CF_POOL_BUFFERS``); 0: 8."""
+    local_rank: int | None = None
+    """Used to pick this rank's NIC; None: ``$LOCAL_RANK``."""
+
+    def resolved(self) -> CpuForwardOptions:
+        env = os.environ
+        ifaces = list(self.interfaces) or [s for s in env.get(ENV_IFACES, "").split(",") if s.strip()]
+        stripes = self.stripes or _int_env(ENV_STRIPES, 0) or len(ifaces) or 1
+        chunk = self.chunk_bytes or _int_env(ENV_CHUNK, DEFAULT_CHUNK_BYTES)
+        pool = self.pool_buffers or _int_env(ENV_POOL, 8)
+        if stripes < 1 or chunk < 1024 or pool < 2:
+            raise UserError(f"cpu-forward options out of range: stripes={stripes} (>= 1), chunk_bytes={chunk} "
+                            f"(>= 1024), pool_buffers={pool} (>= 2)")
+        if ifaces and len(ifaces) < stripes:
+            ifaces = [ifaces[i % len(ifaces)] for i in range(stripes)]
+        local = self.local_rank if self.local_rank is not None else int(env.get("LOCAL_RANK", "0"))
+        return CpuForwardOptions(stripes, ifaces[:stripes], chunk, pool, local)
+
+
+def _int_env(name: str, default: int) -> int:
+    raw = os.environ.get(name, "")
+    if not raw:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise UserError(f"{name}={raw!r} is not an integer; set it to a whole number") from None
+
+
+def choose_interfaces(opts: CpuForwardOptions) -> list[str | None]:
+    """Interface per stripe; ``None`` means Gloo's default device."""
+    if opts.interfaces:
+        return list(opts.interfaces)
+    from bimetal.topology.records import local_nics
+
+    nics = [n.name for n in local_nics(include_loopback=False)]
+    if len(nics) > 1:
+        start = (opts.local_rank or 0) % len(nics)
+        return [nics[(start + i) % len(nics)] for i in range(opts.stripes)]
+    return [None] * opts.stripes
+
+
+def build_stripes(store: dist.Store, rank: int, size: int, timeout: timedelta,
+                  interfaces: list[str | None]) -> list[dist.ProcessGroupGloo]:
+    stripes = []
+    for i, name in enumerate(interfaces):
+        gopts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+        gopts._timeout = timeout
+        if name is None:
+            gopts._devices = [dist.ProcessGroupGloo.create_default_device()]
+        else:
+            try:
+                gopts._devices = [dist.ProcessGroupGloo.create_device(interface=name)]
+            except RuntimeError as exc:
+                raise UserError(f"cpu-forward stripe {i} cannot bind to interface {name!r} ({exc}); "
+                                f"check {ENV_IFACES} or the options' interfaces") from None
+        stripes.append(dist.ProcessGroupGloo(dist.PrefixStore(f"stripe{i}", store), rank, size, gopts))
+    return stripes
+
+
+def chunk_plan(numel: int, element_size: int, chunk_bytes: int, stripes: int, first: int = 0
+               ) -> list[tuple[int, int, int]]:
+    """``(start, stop, stripe)`` element ranges covering ``numel``; chunk j rides stripe (first + j) % K.
+
+    Sender and receiver compute the same plan from the same numbers, so chunks match without headers.
+    """
+    per_chunk = max(1, chunk_bytes // max(1, element_size))
+    if numel == 0:
+        return [(0, 0, first % stripes)]
+    return [(s, min(s + per_chunk, numel), (first + j) % stripes)
+            for j, s in enumerate(range(0, numel, per_chunk))]

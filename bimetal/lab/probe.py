@@ -28,7 +28,7 @@ while True:
     if t0 is None: t0 = time.perf_counter()
     n += len(b)
 t1 = time.perf_counter()
-print(json.dumps({"bytes": n, "seconds": t1 - (t0 or t1)}), flush=True)
+print(json.dumps({"bytes": n, "t0": t0 or t1, "t1": t1}), flush=True)
 """
 
 _SENDER = r"""
@@ -43,9 +43,10 @@ c.close()
 """
 
 
-def tcp_throughput(lab: LabCluster, flows: list[tuple[str, str, int]], nbytes: int = 16 << 20,
-                   port: int = 5201, timeout: float = 60) -> list[float]:
-    """Run the flows ``(src_node, dst_node, nic)`` at once; returns each flow's Mbit/s at the receiver."""
+def tcp_flows(lab: LabCluster, flows: list[tuple[str, str, int]], nbytes: int = 16 << 20,
+              port: int = 5201, timeout: float = 60) -> list[dict[str, Any]]:
+    """Run the flows ``(src_node, dst_node, nic)`` at once; per flow the bytes received and the monotonic
+    times of the first and last byte (CLOCK_MONOTONIC is shared by all namespaces, so windows compare)."""
     receivers: list[subprocess.Popen[str]] = []
     senders: list[subprocess.Popen[str]] = []
     try:
@@ -60,11 +61,10 @@ def tcp_throughput(lab: LabCluster, flows: list[tuple[str, str, int]], nbytes: i
         for i, (src, dst, nic) in enumerate(flows):
             senders.append(lab.popen(src, [sys.executable, "-c", _SENDER, lab.address(dst, nic), str(port + i),
                                            str(nbytes)]))
-        results: list[float] = []
+        results: list[dict[str, Any]] = []
         for p in receivers:
             out, _ = p.communicate(timeout=timeout)
-            data: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
-            results.append(data["bytes"] * 8 / max(data["seconds"], 1e-9) / 1e6)
+            results.append(json.loads(out.strip().splitlines()[-1]))
         for p in senders:
             p.wait(timeout=timeout)
         return results
@@ -73,3 +73,21 @@ def tcp_throughput(lab: LabCluster, flows: list[tuple[str, str, int]], nbytes: i
             if p.poll() is None:
                 p.kill()
                 p.wait(timeout=5)
+
+
+def mbit(flow: dict[str, Any]) -> float:
+    return float(flow["bytes"]) * 8 / max(flow["t1"] - flow["t0"], 1e-9) / 1e6
+
+
+def tcp_throughput(lab: LabCluster, flows: list[tuple[str, str, int]], nbytes: int = 16 << 20,
+                   port: int = 5201, timeout: float = 60) -> list[float]:
+    """Run the flows at once; each flow's Mbit/s at the receiver."""
+    return [mbit(f) for f in tcp_flows(lab, flows, nbytes, port, timeout)]
+
+
+def aggregate_mbit(lab: LabCluster, flows: list[tuple[str, str, int]], nbytes: int = 16 << 20,
+                   port: int = 5201, timeout: float = 60) -> float:
+    """Run the flows at once; all bytes over the span from the first flow's first byte to the last one's end."""
+    got = tcp_flows(lab, flows, nbytes, port, timeout)
+    span = max(f["t1"] for f in got) - min(f["t0"] for f in got)
+    return sum(float(f["bytes"]) for f in got) * 8 / max(span, 1e-9) / 1e6

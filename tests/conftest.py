@@ -1,0 +1,72 @@
+"""Shared fixtures. ``lab`` / ``make_lab``: an emulated cluster (network namespaces, tc, cgroups).
+
+Lab tests skip with a reason where the machine cannot host a lab (not root, no ``ip netns``, no
+``nsenter``); every lab a test makes is torn down when the test ends, pass or fail.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+
+def lab_unavailable() -> str | None:
+    """Why this machine cannot host a lab, or None when it can."""
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        return "the lab needs root (network namespaces, tc, cgroups)"
+    for tool in ("ip", "tc", "nsenter"):
+        if shutil.which(tool) is None:
+            return f"{tool!r} is not installed (iproute2 / util-linux)"
+    probe = f"bml-probe{os.getpid()}"
+    out = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, timeout=10)
+    if out.returncode != 0:
+        return f"'ip netns add' fails here: {out.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True, timeout=10)
+    return None
+
+
+def _lab_id() -> str:
+    # Unique per test so parallel or leftover labs never collide; 't' + 8 hex digits fits the 12-char id.
+    return "t" + uuid.uuid4().hex[:8]
+
+
+@pytest.fixture
+def make_lab() -> Iterator[Callable[..., Any]]:
+    """``make_lab(nodes=[...], nics=2, rate_mbit=200)`` -> a LabCluster that is up; all torn down after the test.
+
+    ``nodes`` is a list of dicts as in a spec's [[node]] tables (default: an nvidia and an amd node, 1 rank each).
+    """
+    why = lab_unavailable()
+    if why:
+        pytest.skip(why)
+    from bimetal.lab.cluster import LabCluster
+    from bimetal.lab.spec import parse_spec
+
+    made: list[LabCluster] = []
+
+    def make(nodes: list[dict[str, Any]] | None = None, nics: int = 2, rate_mbit: float = 200,
+             latency_ms: float = 0) -> LabCluster:
+        nodes = nodes or [{"name": "nv", "vendor": "nvidia", "ranks": 1}, {"name": "amd", "vendor": "amd", "ranks": 1}]
+        spec = parse_spec({"lab": {"name": _lab_id(), "nics": nics, "rate_mbit": rate_mbit, "latency_ms": latency_ms},
+                           "node": nodes}, source="<test lab>")
+        lab = LabCluster(spec)
+        made.append(lab)
+        return lab.up()
+
+    try:
+        yield make
+    finally:
+        for lab in made:
+            lab.down()
+
+
+@pytest.fixture
+def lab(make_lab: Callable[..., Any]) -> Any:
+    """A 2-node lab (nvidia + amd, one rank each), 2 NICs per node at 200 Mbit/s."""
+    return make_lab()

@@ -1,0 +1,266 @@
+"""The lab: spec validation, a 2-node x 2-NIC lab seen by bimetal's topology, per-NIC stripes, physical rate
+limits, CPU quotas, faults, and teardown that leaves nothing (also after the driving process is killed)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bimetal.errors import UserError
+from bimetal.lab import cgroup, faults, net
+from bimetal.lab.cluster import STATE_DIR, cleanup_stale
+from bimetal.lab.probe import aggregate_mbit, tcp_throughput
+from bimetal.lab.spec import load_spec
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def leftovers(lab_id: str) -> list[str]:
+    """Every kernel object or file a lab could leave behind."""
+    left = [n for n in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+            if n.startswith(f"bml-{lab_id}-")]
+    left += [str(p) for p in cgroup.lab_cgroups(lab_id)]
+    if (STATE_DIR / f"{lab_id}.json").exists():
+        left.append(str(STATE_DIR / f"{lab_id}.json"))
+    return left
+
+
+# --- spec --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("[[node]]\nname='a'\nvendor='intel'\nranks=1\nrate_mbit=1", "key 'vendor'"),
+        ("[lab]\nrate_mbit=100\n[[node]]\nname='a'\nvendor='amd'\nranks=0", "key 'ranks'"),
+        ("[[node]]\nname='a'\nvendor='amd'\nranks=1", "key 'rate_mbit' is missing"),
+        ("[lab]\nrate_mbit=1\n[[node]]\nname='a'\nvendor='amd'\nranks=2\ncpu_share=[1.0]", "key 'cpu_share'"),
+        ("[lab]\nrate_mbit=1\nspeed=3\n[[node]]\nname='a'\nvendor='amd'\nranks=1", "'lab.speed'"),
+        ("[lab]\nrate_mbit=1\n[[node]]\nname='a'\nvendor='amd'\nranks=1\n[[node]]\nname='a'\nvendor='amd'\nranks=1",
+         "unique"),
+        ("[lab]\nrate_mbit=1\n", "no [[node]]"),
+        ("[lab\n", "not valid TOML"),
+    ],
+)
+def test_bad_spec_names_key_and_file(tmp_path: Path, text: str, needle: str) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(UserError) as err:
+        load_spec(path)
+    assert needle in str(err.value) and str(path) in str(err.value)
+
+
+def test_example_specs_load() -> None:
+    specs = {p.name: load_spec(p) for p in sorted((REPO / "configs" / "lab").glob("*.toml"))}
+    assert specs["pair.toml"].simulate_string() == "nvidia:2,amd:2"
+    assert specs["slow-amd.toml"].nodes[1].cpu_share == (0.5, 0.5)
+    assert specs["rails4.toml"].max_nics == 4
+    assert "absent.toml" in str(pytest.raises(UserError, load_spec, REPO / "absent.toml").value)
+
+
+# --- a job on the lab --------------------------------------------------------------------------------
+RANK_SCRIPT = textwrap.dedent(r"""
+    import datetime, json
+    import torch, torch.distributed as dist
+    torch.set_num_threads(1)
+    from bimetal.topology.exchange import exchange_topology
+    T = datetime.timedelta(seconds=60)
+    dist.init_process_group("gloo", timeout=T)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    store = dist.distributed_c10d._get_default_store()
+    view = exchange_topology(store, rank, world, T)
+
+    def tx():  # bytes sent per interface of this network namespace
+        rows = open("/proc/net/dev").read().splitlines()[2:]
+        return {r.split(":")[0].strip(): int(r.split(":")[1].split()[8]) for r in rows}
+
+    out = {"hosts": view.hosts, "vendors": [view.vendor_of(r) for r in range(world)],
+           "ranks_on": {h: view.ranks_on(h) for h in view.hosts},
+           "nics": [[[n.name, n.address] for n in view.nics_of(r)] for r in range(world)]}
+    peer = view.ranks_on(view.hosts[1])[0]
+    if rank in (0, peer):  # one stripe per NIC between node 0 and node 1, each Gloo group bound to its NIC
+        me, moved = (0 if rank == 0 else 1), {}
+        for nic in [n.name for n in view.nics_of(rank)]:
+            opts = dist.ProcessGroupGloo._Options()
+            opts._timeout = T
+            opts._devices = [dist.ProcessGroupGloo.create_device(interface=nic)]
+            pg = dist.ProcessGroupGloo(dist.PrefixStore(f"stripe/{nic}", store), me, 2, opts)
+            t = torch.ones(1 << 20)  # 4 MiB
+            before = tx()
+            (pg.send([t], 1, 0) if me == 0 else pg.recv([t], 0, 0)).wait()
+            pg.allreduce([torch.zeros(1)]).wait()  # a send completes once buffered; this waits for delivery
+            after = tx()
+            moved[nic] = {k: after[k] - before[k] for k in after}
+        out["moved"] = moved
+    print(f"RESULT{rank} " + json.dumps(out), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+""")
+
+
+@pytest.mark.lab
+@pytest.mark.timeout(120)
+def test_job_sees_nodes_nics_and_stripes_use_distinct_interfaces(make_lab: Any, tmp_path: Path) -> None:
+    lab = make_lab(nodes=[{"name": "nv", "vendor": "nvidia", "ranks": 2}, {"name": "amd", "vendor": "amd", "ranks": 2}])
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT)
+    results = lab.run([str(script)], timeout=90, capture=True)
+    assert [r.returncode for r in results] == [0, 0], "\n".join(r.output[-3000:] for r in results)
+    text = "".join(r.output for r in results)
+    rows = {int(line.split()[0][6:]): json.loads(line.split(" ", 1)[1])
+            for line in text.splitlines() if line.startswith("RESULT")}
+    assert sorted(rows) == [0, 1, 2, 3]
+    view = rows[0]
+    assert view["hosts"] == ["nv", "amd"] and view["ranks_on"] == {"nv": [0, 1], "amd": [2, 3]}
+    assert view["vendors"] == ["nvidia", "nvidia", "amd", "amd"]
+    assert view["nics"][0] == [["eth0", "10.77.0.1"], ["eth1", "10.77.1.1"]]
+    assert view["nics"][3] == [["eth0", "10.77.0.2"], ["eth1", "10.77.1.2"]]
+    moved = rows[0]["moved"]  # what the sender's interfaces transmitted during each stripe's 4 MiB send
+    for nic, other in (("eth0", "eth1"), ("eth1", "eth0")):
+        assert moved[nic][nic] >= 4 << 20, moved
+        assert moved[nic][other] < 256 << 10, moved
+
+
+@pytest.mark.lab
+@pytest.mark.timeout(60)
+def test_rate_limit_is_physical_and_nics_add_up(lab: Any) -> None:
+    one = tcp_throughput(lab, [("nv", "amd", 0)], nbytes=8 << 20)
+    assert 0.8 * 200 <= one[0] <= 1.05 * 200, one
+    both = tcp_throughput(lab, [("nv", "amd", 0), ("amd", "nv", 1)], nbytes=8 << 20)
+    assert all(0.8 * 200 <= b <= 1.05 * 200 for b in both), both
+    assert aggregate_mbit(lab, [("nv", "amd", 0), ("nv", "amd", 1)], nbytes=8 << 20) >= 0.8 * 400
+    same = aggregate_mbit(lab, [("nv", "amd", 0), ("nv", "amd", 0)], nbytes=4 << 20)
+    assert same <= 1.05 * 200, same  # two flows on one NIC share its line rate
+
+
+def _cpu_fraction(lab: Any, node: str, local_rank: int, seconds: float, fault: Any = None) -> float:
+    """CPU seconds per wall second of a busy process in a rank's cgroup (over the last ``seconds``)."""
+    path = cgroup.rank_cgroup(lab.spec.lab_id, node, local_rank)
+    busy = ("import os,sys,time\nopen(sys.argv[1]+'/cgroup.procs','w').write(str(os.getpid()))\n"
+            "print('in', flush=True)\nt=time.time()\nwhile time.time()-t<60: pass\n")
+    proc = lab.popen(node, [sys.executable, "-c", busy, str(path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "in"
+        if fault:
+            fault()
+        usage = Path(f"/proc/{proc.pid}/stat")
+        ticks = os.sysconf("SC_CLK_TCK")
+
+        def cpu() -> float:
+            f = usage.read_text().rsplit(")", 1)[1].split()
+            return (int(f[11]) + int(f[12])) / ticks
+
+        c0, t0 = cpu(), time.monotonic()
+        time.sleep(seconds)
+        return (cpu() - c0) / (time.monotonic() - t0)
+    finally:
+        proc.kill()
+        proc.wait(timeout=5)
+
+
+@pytest.mark.lab
+@pytest.mark.timeout(60)
+def test_cpu_quota_caps_a_rank_and_slow_rank_changes_it_live(make_lab: Any) -> None:
+    lab = make_lab(nodes=[{"name": "nv", "vendor": "nvidia", "ranks": 1, "cpu_share": 0.2},
+                          {"name": "amd", "vendor": "amd", "ranks": 1}])
+    assert cgroup.get_share(cgroup.rank_cgroup(lab.spec.lab_id, "nv", 0)) == pytest.approx(0.2)
+    assert _cpu_fraction(lab, "nv", 0, 1.5) <= 0.27
+    # A rank that starts uncapped, slowed while it runs (the reliability work's "slow device").
+    assert _cpu_fraction(lab, "amd", 0, 1.5, fault=lambda: faults.slow_rank(lab, "amd", 0, 0.1)) <= 0.15
+    throttled = (cgroup.rank_cgroup(lab.spec.lab_id, "amd", 0) / "cpu.stat").read_text()
+    assert int(throttled.split("nr_throttled")[1].split()[0]) > 0
+
+
+@pytest.mark.lab
+@pytest.mark.timeout(60)
+def test_faults_nic_down_and_rate_change(lab: Any) -> None:
+    faults.nic_down(lab, "amd", 1)
+    probe = lab.popen("nv", [sys.executable, "-c", "import socket,sys\ntry:\n socket.create_connection("
+                                                   "(sys.argv[1], 9), timeout=1.5)\nexcept OSError as e:\n"
+                                                   " print(type(e).__name__)", lab.address("amd", 1)],
+                      stdout=subprocess.PIPE, text=True)
+    out, _ = probe.communicate(timeout=10)
+    assert out.strip() in ("TimeoutError", "OSError")  # no answer at all, not even a reset: the cable is out
+    faults.nic_up(lab, "amd", 1)
+    assert tcp_throughput(lab, [("nv", "amd", 1)], nbytes=4 << 20)[0] > 0.8 * 200
+    faults.set_link(lab, "nv", 0, rate_mbit=80)
+    slow = tcp_throughput(lab, [("nv", "amd", 0)], nbytes=3 << 20)[0]
+    assert 0.75 * 80 <= slow <= 1.05 * 80, slow
+    faults.restore_link(lab, "nv", 0)
+    assert tcp_throughput(lab, [("nv", "amd", 0)], nbytes=4 << 20)[0] > 0.8 * 200
+    with pytest.raises(UserError, match="no NIC 5"):
+        faults.nic_down(lab, "nv", 5)
+    netem = subprocess.run(["tc", "-n", lab.hub, "qdisc", "add", "dev", "br0", "root", "netem", "delay", "1ms"],
+                           capture_output=True).returncode == 0
+    if not netem:  # this kernel lacks sch_netem: the fault says so instead of silently doing nothing
+        with pytest.raises(UserError, match="netem"):
+            faults.add_loss(lab, "nv", 0, 5)
+        assert tcp_throughput(lab, [("nv", "amd", 0)], nbytes=4 << 20)[0] > 0.8 * 200  # shaping restored
+
+
+# --- teardown ----------------------------------------------------------------------------------------
+@pytest.mark.lab
+@pytest.mark.timeout(60)
+def test_teardown_leaves_nothing_and_a_killed_owner_is_cleaned_by_the_next_run(make_lab: Any,
+                                                                                tmp_path: Path) -> None:
+    lab = make_lab(nodes=[{"name": "a", "vendor": "amd", "ranks": 2, "cpu_share": 0.5}])
+    lab_id = lab.spec.lab_id
+    assert len(leftovers(lab_id)) == 2 + 2 + 1  # hub + node namespaces, 2 rank cgroups, state file
+    lab.down()
+    assert leftovers(lab_id) == []
+
+    # An owner killed with SIGKILL runs no teardown at all; the next up() must find and remove its lab.
+    code = ("import sys,time\nfrom bimetal.lab.cluster import LabCluster\nfrom bimetal.lab.spec import parse_spec\n"
+            "s=parse_spec({'lab':{'name':sys.argv[1],'rate_mbit':100},'node':[{'name':'a','vendor':'amd','ranks':1,"
+            "'cpu_share':0.5}]})\nlab=LabCluster(s).up()\np=lab.popen('a',['sleep','60'])\nprint('up',flush=True)\n"
+            "time.sleep(60)\n")
+    victim_id = "k" + lab_id[1:]
+    victim = subprocess.Popen([sys.executable, "-c", code, victim_id], stdout=subprocess.PIPE, text=True)
+    try:
+        assert victim.stdout is not None and victim.stdout.readline().strip() == "up"
+        assert len(leftovers(victim_id)) == 4
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.wait(timeout=10)
+        assert len(leftovers(victim_id)) == 4  # the kill left everything behind...
+        assert victim_id in cleanup_stale()  # ...which is what every LabCluster.up() runs first
+        assert leftovers(victim_id) == []
+    finally:
+        if victim.poll() is None:
+            victim.kill()
+        net.delete_lab_namespaces(victim_id)
+
+
+@pytest.mark.lab
+@pytest.mark.timeout(60)
+def test_cli_up_status_down_and_failed_run_tears_down(tmp_path: Path, capsys: Any) -> None:
+    from conftest import lab_unavailable
+
+    if lab_unavailable():
+        pytest.skip(lab_unavailable())
+    from bimetal.lab.cli import main
+
+    lab_id = "c" + str(os.getpid())[-8:]
+    spec = tmp_path / "one.toml"
+    spec.write_text(f"[lab]\nname='{lab_id}'\nrate_mbit=100\n[[node]]\nname='a'\nvendor='nvidia'\nranks=1\n")
+    try:
+        assert main(["up", "--spec", str(spec)]) == 0
+        assert "10.77.0.1" in capsys.readouterr().out
+        assert main(["status"]) == 0
+        assert f"lab {lab_id}: owner left up" in capsys.readouterr().out
+        with pytest.raises(UserError, match="already up"):
+            main(["up", "--spec", str(spec)])
+        assert main(["down", "--id", lab_id]) == 0
+        assert leftovers(lab_id) == []
+        bad = tmp_path / "fail.py"
+        bad.write_text("import sys, socket\nprint('ranks see', socket.gethostname())\nsys.exit(3)\n")
+        assert main(["run", "--spec", str(spec), "--timeout", "60", "--", str(bad)]) != 0
+        assert leftovers(lab_id) == []
+    finally:
+        main(["down", "--id", lab_id])

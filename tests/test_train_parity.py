@@ -44,8 +44,9 @@ def _transport_missing(name: str) -> str | None:
     return None if hasattr(mod, "create_process_group") else f"{module} has no create_process_group yet"
 
 
-# Transport rows: the two bimetal transports, and plain Gloo as the reference the bimetal ones must equal.
-TRANSPORTS = ["cpu-forward", "device-direct", "gloo"]
+# (transport, schedule) rows: the two bimetal transports with the demo's 1F1B, and plain Gloo - the
+# reference the bimetal transports must equal - with GPipe, so both schedules run the whole loop.
+SCENARIOS = [("cpu-forward", "1f1b"), ("device-direct", "1f1b"), ("gloo", "gpipe")]
 
 
 def _train(run_dir: Path, *args: str, simulate: bool = False) -> subprocess.CompletedProcess:
@@ -77,13 +78,13 @@ def single(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return run
 
 
-@pytest.fixture(scope="module", params=TRANSPORTS)
+@pytest.fixture(scope="module", params=SCENARIOS, ids=[f"{t}-{s}" for t, s in SCENARIOS])
 def pipelined(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, str]:
-    transport = request.param
+    transport, schedule = request.param
     if (why := _transport_missing(transport)) is not None:
         pytest.skip(f"transport {transport} not testable: {why}")
     run = tmp_path_factory.mktemp(f"pp-{transport}") / "run"
-    r = _train(run, f"--parallel.pp_transport={transport}", simulate=True)
+    r = _train(run, f"--parallel.pp_transport={transport}", f"--parallel.schedule={schedule}", simulate=True)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     return transport, run, r.stdout
 
@@ -115,7 +116,9 @@ def test_resume_after_step_10_is_identical(pipelined: tuple[str, Path, str], tmp
     resumed = tmp_path / "run"
     (resumed / "checkpoints").mkdir(parents=True)
     shutil.copytree(run / "checkpoints" / "step-000010", resumed / "checkpoints" / "step-000010")
-    r = _train(resumed, f"--parallel.pp_transport={transport}", "--resume", simulate=True)
+    schedule = "gpipe" if transport == "gloo" else "1f1b"
+    r = _train(resumed, f"--parallel.pp_transport={transport}", f"--parallel.schedule={schedule}", "--resume",
+               simulate=True)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert "resumed from" in r.stdout
     full, again = _losses(run), _losses(resumed)
@@ -128,3 +131,14 @@ def test_checkpoint_of_another_model_is_refused(single: Path) -> None:
     assert r.returncode == 2, r.stderr[-2000:]
     assert "checkpoint" in r.stderr and "family" in r.stderr and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_gradient_accumulation_matches_one_big_batch(single: Path, tmp_path: Path) -> None:
+    # 2 accumulation steps of 8 rows read the same 16 windows as one batch of 16, in the same 2-row microbatches.
+    run = tmp_path / "run"
+    r = _train(run, *SINGLE, "--data.batch_size=8", "--parallel.microbatches=4", "--optim.grad_accum=2",
+               "--training.steps=10")
+    assert r.returncode == 0, r.stderr[-3000:]
+    ref, got = _losses(single), _losses(run)
+    assert sorted(got) == list(range(1, 11))
+    assert all(abs(got[s] - ref[s]) <= RTOL * abs(ref[s]) for s in got), [(s, got[s], ref[s]) for s in got]

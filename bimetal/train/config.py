@@ -44,6 +44,8 @@ class ParallelConfig:
     """Transport of the data-parallel groups."""
     timeout_s: float = 120.0
     """Timeout of every collective, in seconds; a hang fails after this long."""
+    allow_cross_vendor_dp: bool = False
+    """Allow data-parallel groups that span vendors (gradients then cross vendors every step)."""
 
 
 @dataclass

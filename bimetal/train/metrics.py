@@ -36,14 +36,19 @@ class StepMetrics:
     """Collects per-step records; writes JSONL and the console line on rank 0."""
 
     def __init__(self, run_dir: str | Path, rank: int, flops_per_token: float, peak: float | None,
-                 log_every: int = 1, tensorboard: bool = False) -> None:
-        """``peak`` is the summed peak FLOP/s of all devices of the job (None: unknown, MFU not shown)."""
+                 log_every: int = 1, tensorboard: bool = False, fresh: bool = True) -> None:
+        """``peak`` is the summed peak FLOP/s of all devices of the job (None: unknown, MFU not shown).
+
+        ``fresh`` starts ``metrics.jsonl`` anew; a resumed run (``fresh=False``) appends to it.
+        """
         self.rank, self.flops_per_token, self.peak, self.log_every = rank, flops_per_token, peak, log_every
         self.records: list[dict[str, Any]] = []
         self.path = Path(run_dir) / "metrics.jsonl"
         self._tb = None
         if rank == 0:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            if fresh:
+                self.path.unlink(missing_ok=True)
             if tensorboard:
                 try:
                     from torch.utils.tensorboard import SummaryWriter

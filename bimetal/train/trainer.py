@@ -100,7 +100,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     if cfg.parallel.pp * cfg.parallel.dp > 1:
         from bimetal.parallel import ParallelDims, init_parallel
 
-        ctx = init_parallel(ParallelDims(pp=cfg.parallel.pp, dp=cfg.parallel.dp),
+        ctx = init_parallel(ParallelDims(pp=cfg.parallel.pp, dp=cfg.parallel.dp,
+                                         allow_cross_vendor_dp=cfg.parallel.allow_cross_vendor_dp),
                             transports={"pp": cfg.parallel.pp_transport, "dp": cfg.parallel.dp_transport},
                             timeout=timedelta(seconds=cfg.parallel.timeout_s))
     try:
@@ -137,7 +138,10 @@ def _run(cfg: TrainConfig, ctx: Any, models: Any, args: Any, split: list[int], t
     folder = cfg.checkpoint.folder or f"{cfg.metrics.run_dir}/checkpoints"
     meta = {"family": family, "flavour": cfg.model.flavour, "layers_per_stage": split, "dp": dp_size}
     start = 0
-    if cfg.checkpoint.resume and (path := checkpoint.latest(folder)) is not None:
+    path = checkpoint.latest(folder) if cfg.checkpoint.resume else None
+    if cfg.checkpoint.resume and path is None and rank == 0:
+        print(f"no complete checkpoint in {folder}; starting from step 0", flush=True)
+    if path is not None:
         checkpoint.check_meta(path, meta)
         state = checkpoint.training_state(model, opt, stage)
         extra = checkpoint.load(path, state, rank)
@@ -151,7 +155,7 @@ def _run(cfg: TrainConfig, ctx: Any, models: Any, args: Any, split: list[int], t
     devices = [ctx.view[r].device for r in range(ctx.world_size)] if ctx else [
         torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"]
     metrics = StepMetrics(cfg.metrics.run_dir, rank, float(args.flops_per_token(seq)), cluster_peak_flops(devices),
-                          cfg.metrics.log_every, cfg.metrics.tensorboard)
+                          cfg.metrics.log_every, cfg.metrics.tensorboard, fresh=start == 0)
     meter = _XvendorMeter(ctx, runner)
     for step in range(start, cfg.training.steps):
         t0 = time.perf_counter()

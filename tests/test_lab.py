@@ -99,6 +99,19 @@ RANK_SCRIPT = textwrap.dedent(r"""
             after = tx()
             moved[nic] = {k: after[k] - before[k] for k in after}
         out["moved"] = moved
+    # bimetal's cpu-forward transport with 2 stripes picks the NICs itself (from local_nics) and splits
+    # one 8 MiB message across them.
+    import bimetal
+    from bimetal.comm.striping import CpuForwardOptions
+    cf = dist.new_group([0, peer], backend="bimetal_cpu_forward", timeout=T, pg_options=CpuForwardOptions(stripes=2))
+    if rank in (0, peer):
+        t = torch.ones(2 << 20)
+        before = tx()
+        (dist.send(t, peer, group=cf) if rank == 0 else dist.recv(t, 0, group=cf))
+        dist.barrier(group=cf)
+        after = tx()
+        out["cf_moved"] = {k: after[k] - before[k] for k in after}
+        out["cf_ok"] = bool(t.sum().item() == t.numel())
     print(f"RESULT{rank} " + json.dumps(out), flush=True)
     dist.barrier()
     dist.destroy_process_group()
@@ -126,6 +139,8 @@ def test_job_sees_nodes_nics_and_stripes_use_distinct_interfaces(make_lab: Any, 
     for nic, other in (("eth0", "eth1"), ("eth1", "eth0")):
         assert moved[nic][nic] >= 4 << 20, moved
         assert moved[nic][other] < 256 << 10, moved
+    cf = rows[0]["cf_moved"]
+    assert rows[2]["cf_ok"] and cf["eth0"] >= 3.5 * 2**20 and cf["eth1"] >= 3.5 * 2**20, cf
 
 
 @pytest.mark.lab

@@ -39,3 +39,29 @@ def test_every_op_matches_gloo(simulate: str, tmp_path: Path) -> None:
         assert len(results) == 170, f"{f.name}: {len(results)} cases ran"
         bad = [f"{r['case']}: {r['detail']}" for r in results if not r["ok"]]
         assert not bad, f"{f.name}: " + "\n".join(bad[:10])
+
+
+def test_torch_parallel_machinery_matches_gloo(tmp_path: Path) -> None:
+    """DeviceMesh (backend_override) + DTensor redistribute, DDP, FSDP2 and 1F1B on cpu-forward vs Gloo."""
+    proc = subprocess.run([sys.executable, "-m", "bimetal.cli", "launch", "--simulate", "nvidia:1,amd:1", "--",
+                           str(HERE / "cf_parallel_rank.py"), str(tmp_path)], env=_env(), capture_output=True,
+                          text=True, timeout=200)
+    for r in (0, 1):
+        results = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert set(results) == {"dtensor", "ddp", "fsdp2", "pipeline_1f1b"}
+        bad = {k: v for k, v in results.items() if v}
+        assert not bad, f"rank {r}: {bad}"
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize(("mode", "fragment"), [
+    ("die", "group 'pp.dp0' recv #2 with peer 1 failed"),
+    ("stall", "group 'pp.dp0' recv #2 with peer 1 did not complete within 6 s"),
+])
+def test_dead_or_stalled_peer_fails_within_the_timeout(mode: str, fragment: str, tmp_path: Path) -> None:
+    subprocess.run([sys.executable, "-m", "bimetal.cli", "launch", "--simulate", "nvidia:1,amd:1", "--",
+                    str(HERE / "cf_fault_rank.py"), str(tmp_path), mode], env=_env(), capture_output=True,
+                   text=True, timeout=120)
+    result = json.loads((tmp_path / "rank0.json").read_text())
+    assert result["error"] and fragment in result["error"], result
+    assert result["elapsed"] < 6 + 30, result

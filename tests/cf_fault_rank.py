@@ -1,0 +1,54 @@
+"""Rank program: a peer that dies or stalls mid-transfer on cpu-forward.
+
+``python cf_fault_rank.py OUT_DIR MODE`` with 2 ranks; MODE ``die`` (rank 1 exits abruptly after sending
+half of a chunked message) or ``stall`` (rank 1 stops answering). Rank 0 records what its receive raised
+and how long it took in ``OUT_DIR/rank0.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+import bimetal  # noqa: F401
+from bimetal.comm.cpu_forward import CpuForwardOptions
+
+TIMEOUT_S = 6.0
+
+
+def main() -> None:
+    out_dir, mode = sys.argv[1], sys.argv[2]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    rank = dist.get_rank()
+    g = dist.new_group(backend="bimetal_cpu_forward", group_desc="pp.dp0", timeout=timedelta(seconds=TIMEOUT_S),
+                       pg_options=CpuForwardOptions(stripes=2, interfaces=["lo", "lo"], chunk_bytes=1 << 16))
+    dist.barrier(group=g)
+    n = 1 << 20  # 4 MiB of float32: 64 chunks
+    if rank == 1:
+        if mode == "die":
+            half = torch.ones(n // 2)
+            dist.send(half, 0, group=g)  # a different (smaller) message: rank 0 receives half of what it waits for
+            os._exit(1)
+        time.sleep(TIMEOUT_S + 8)  # stall: alive, silent
+        os._exit(0)
+    start = time.monotonic()
+    try:
+        dist.recv(torch.empty(n), 1, group=g)
+        result = {"error": None}
+    except Exception as exc:
+        result = {"error": str(exc), "type": type(exc).__name__}
+    result["elapsed"] = time.monotonic() - start
+    with open(os.path.join(out_dir, "rank0.json"), "w") as f:
+        json.dump(result, f)
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

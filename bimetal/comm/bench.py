@@ -1,0 +1,208 @@
+"""``bimetal bench comm``: bandwidth and latency against message size for raw Gloo, cpu-forward with 1..K
+stripes and (with ``--transports``) device-direct, measured side by side in one run.
+
+Two ranks: rank 0 sends, rank 1 receives and answers with a 1-element acknowledgement, so a sample is
+one full delivery. Variants are interleaved inside every iteration (noise hits all of them alike), the
+median is reported, and the ratios the performance targets name are printed: cpu-forward on one stripe
+against raw Gloo on the same link at 64 MiB, and K stripes against one. Outside a launched job it starts
+two simulated ranks on this machine; under torchrun (the lab, real nodes) it uses the job's ranks.
+Writes ``bench_comm.json`` and ``bench_comm.png`` (matplotlib, if installed) to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from datetime import timedelta
+from pathlib import Path
+
+from bimetal.errors import UserError
+
+UNITS = {"K": 2**10, "M": 2**20, "G": 2**30}
+DEFAULT_SIZES = "4K,64K,1M,4M,16M,64M,256M"
+
+
+def parse_size(text: str) -> int:
+    text = text.strip().upper().removesuffix("IB").removesuffix("B")
+    scale = UNITS.get(text[-1:], 1)
+    number = text[:-1] if text[-1:] in UNITS else text
+    try:
+        value = int(float(number) * scale)
+    except ValueError:
+        raise UserError(f"bad message size {text!r}; write sizes like 4K,1M,64M") from None
+    if value < 4:
+        raise UserError(f"message size {text!r} is below 4 bytes")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="bimetal bench comm", description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", default=DEFAULT_SIZES, help=f"message sizes (default {DEFAULT_SIZES})")
+    p.add_argument("--iters", type=int, default=5, help="timed deliveries per size and variant")
+    p.add_argument("--stripes", default="1,2", help="cpu-forward stripe counts to compare, e.g. 1,2,4")
+    p.add_argument("--ifaces", default="lo", help="interfaces, one per stripe, reused round robin (default lo)")
+    p.add_argument("--transports", default="gloo,cpu-forward", help="gloo, cpu-forward, device-direct")
+    p.add_argument("--chunk-bytes", type=int, default=0, help="cpu-forward chunk size (default 4 MiB)")
+    p.add_argument("--out", default="runs/bench_comm", help="folder for bench_comm.json / .png")
+    p.add_argument("--simulate", default="nvidia:1,amd:1", help="ranks started here when not under torchrun")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
+    stripes = [int(s) for s in args.stripes.split(",") if s.strip()]
+    transports = [t.strip() for t in args.transports.split(",") if t.strip()]
+    unknown = set(transports) - {"gloo", "cpu-forward", "device-direct"}
+    if unknown or not sizes or not stripes or min(stripes) < 1 or args.iters < 1:
+        raise UserError(f"bad benchmark arguments (transports {sorted(unknown) or transports}, stripes {stripes}, "
+                        f"iters {args.iters}); see bimetal bench comm --help")
+    if "RANK" not in os.environ:
+        from bimetal.launch import launch
+
+        return launch(["-m", "bimetal.comm.bench", *argv], simulate=args.simulate)
+    return _run(args, sizes, stripes, transports)
+
+
+def _groups(args: argparse.Namespace, stripes: list[int], transports: list[str]) -> dict[str, object]:
+    import torch.distributed as dist
+
+    from bimetal.comm.cpu_forward import CpuForwardOptions
+
+    ifaces = [s for s in args.ifaces.split(",") if s.strip()]
+    groups: dict[str, object] = {}
+    if "gloo" in transports:
+        if ifaces:  # raw Gloo on the same (first) link as cpu-forward's first stripe
+            from bimetal.comm.striping import build_stripes
+
+            store = dist.PrefixStore("bench-raw", dist.distributed_c10d._get_default_store())
+            groups["gloo"] = build_stripes(store, dist.get_rank(), 2, timedelta(seconds=300), [ifaces[0]])[0]
+        else:
+            groups["gloo"] = dist.new_group([0, 1], backend="gloo")
+    if "cpu-forward" in transports:
+        for k in stripes:
+            names = [ifaces[i % len(ifaces)] for i in range(k)] if ifaces else []
+            opts = CpuForwardOptions(stripes=k, interfaces=names, chunk_bytes=args.chunk_bytes)
+            groups[f"cpu-forward x{k}"] = dist.new_group([0, 1], backend="bimetal_cpu_forward", pg_options=opts,
+                                                         group_desc=f"bench.cf{k}")
+    if "device-direct" in transports:
+        groups["device-direct"] = dist.new_group([0, 1], backend="bimetal_device_direct", group_desc="bench.dd")
+    return groups
+
+
+def _deliver(group: object, buf: object, ack: object, rank: int) -> float:
+    start = time.perf_counter()
+    if rank == 0:
+        group.send([buf], 1, 0).wait()  # type: ignore[attr-defined]
+        group.recv([ack], 1, 1).wait()  # type: ignore[attr-defined]
+    else:
+        group.recv([buf], 0, 0).wait()  # type: ignore[attr-defined]
+        group.send([ack], 0, 1).wait()  # type: ignore[attr-defined]
+    return time.perf_counter() - start
+
+
+def _run(args: argparse.Namespace, sizes: list[int], stripes: list[int], transports: list[str]) -> int:
+    import torch
+    import torch.distributed as dist
+
+    import bimetal  # noqa: F401  (registers the back-ends)
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=300))
+    rank = dist.get_rank()
+    if dist.get_world_size() != 2:
+        raise UserError(f"bimetal bench comm needs exactly 2 ranks, the job has {dist.get_world_size()}")
+    groups = _groups(args, stripes, transports)
+    samples: dict[str, dict[int, list[float]]] = {name: {s: [] for s in sizes} for name in groups}
+    ack = torch.zeros(1)
+    for size in sizes:
+        buf = torch.ones(size // 4)
+        for g in groups.values():  # warm-up: connections, pools
+            _deliver(g, buf, ack, rank)
+        for _ in range(args.iters):
+            for name, g in groups.items():
+                samples[name][size].append(_deliver(g, buf, ack, rank))
+    dist.barrier()
+    if rank == 0:
+        report = _report(samples, sizes)
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "bench_comm.json").write_text(json.dumps(report, indent=2))
+        _plot(report, out / "bench_comm.png")
+        print(f"wrote {out / 'bench_comm.json'}", flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
+def _report(samples: dict[str, dict[int, list[float]]], sizes: list[int]) -> dict:
+    rows = []
+    for name, by_size in samples.items():
+        for size in sizes:
+            t = statistics.median(by_size[size])
+            rows.append({"variant": name, "bytes": size, "median_s": t, "samples_s": by_size[size],
+                         "gbit_per_s": size * 8 / t / 1e9})
+    table = {(r["variant"], r["bytes"]): r for r in rows}
+    ratios = {}
+    ref = 64 * 2**20 if 64 * 2**20 in sizes else max(sizes)
+    if ("gloo", ref) in table and ("cpu-forward x1", ref) in table:
+        ratios[f"cpu-forward x1 / gloo @ {ref >> 20} MiB"] = (
+            table[("cpu-forward x1", ref)]["gbit_per_s"] / table[("gloo", ref)]["gbit_per_s"])
+    for name in samples:
+        if name.startswith("cpu-forward x") and name != "cpu-forward x1" and ("cpu-forward x1", ref) in table:
+            k = int(name.rsplit("x", 1)[1])
+            ratios[f"{name} / (x1 * {k}) @ {ref >> 20} MiB"] = (
+                table[(name, ref)]["gbit_per_s"] / (k * table[("cpu-forward x1", ref)]["gbit_per_s"]))
+    if ("device-direct", ref) in table and ("gloo", ref) in table:
+        ratios[f"device-direct / gloo @ {ref >> 20} MiB"] = (
+            table[("device-direct", ref)]["gbit_per_s"] / table[("gloo", ref)]["gbit_per_s"])
+    header = f"{'size':>8}  " + "  ".join(f"{n:>18}" for n in samples)
+    lines = [header, "-" * len(header)]
+    for size in sizes:
+        cells = [f"{table[(n, size)]['gbit_per_s']:8.3f} Gb/s {table[(n, size)]['median_s'] * 1e3:6.2f}ms"
+                 for n in samples]
+        lines.append(f"{_fmt(size):>8}  " + "  ".join(f"{c:>18}" for c in cells))
+    print("\n".join(lines), flush=True)
+    for label, value in ratios.items():
+        print(f"ratio {label}: {value:.3f}", flush=True)
+    return {"rows": rows, "ratios": ratios}
+
+
+def _fmt(size: int) -> str:
+    for unit, scale in (("G", 2**30), ("M", 2**20), ("K", 2**10)):
+        if size >= scale and size % scale == 0:
+            return f"{size // scale}{unit}iB"
+    return f"{size}B"
+
+
+def _plot(report: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot (pip install 'bimetal[plot]')", flush=True)
+        return
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name in dict.fromkeys(r["variant"] for r in report["rows"]):
+        rows = [r for r in report["rows"] if r["variant"] == name]
+        ax.plot([r["bytes"] for r in rows], [r["gbit_per_s"] for r in rows], marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("message size (bytes)")
+    ax.set_ylabel("Gbit/s (median delivery)")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    import sys
+
+    from bimetal.cli import main as cli_main
+
+    sys.exit(cli_main(["bench", "comm", *sys.argv[1:]]))

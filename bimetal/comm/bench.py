@@ -18,6 +18,7 @@ import statistics
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 from bimetal.errors import UserError
 
@@ -138,7 +139,7 @@ def _run(args: argparse.Namespace, sizes: list[int], stripes: list[int], transpo
 
 
 def _report(samples: dict[str, dict[int, list[float]]], sizes: list[int]) -> dict:
-    rows = []
+    rows: list[dict[str, Any]] = []
     for name, by_size in samples.items():
         for size in sizes:
             t = statistics.median(by_size[size])

@@ -1,7 +1,8 @@
 """Rank program: a peer that dies or stalls mid-transfer on cpu-forward.
 
 ``python cf_fault_rank.py OUT_DIR MODE`` with 2 ranks; MODE ``die`` (rank 1 exits abruptly after sending
-half of a chunked message) or ``stall`` (rank 1 stops answering). Rank 0 records what its receive raised
+half of a chunked message), ``stall`` (rank 1 stops answering) or ``corrupt`` (checksums on, rank 1 flips
+a byte of its message after computing the checksum). Rank 0 records what its receive raised
 and how long it took in ``OUT_DIR/rank0.json``.
 """
 
@@ -29,6 +30,8 @@ def main() -> None:
     rank = dist.get_rank()
     g = dist.new_group(backend="bimetal_cpu_forward", group_desc="pp.dp0", timeout=timedelta(seconds=TIMEOUT_S),
                        pg_options=CpuForwardOptions(stripes=2, interfaces=["lo", "lo"], chunk_bytes=1 << 16))
+    if mode == "corrupt":
+        g.checksum = True  # what BIMETAL_CF_CHECKSUM=1 sets at creation
     dist.barrier(group=g)
     n = 1 << 20  # 4 MiB of float32: 64 chunks
     if rank == 1:
@@ -36,8 +39,17 @@ def main() -> None:
             half = torch.ones(n // 2)
             dist.send(half, 0, group=g)  # a different (smaller) message: rank 0 receives half of what it waits for
             os._exit(1)
+        if mode == "corrupt":
+            dist.send(torch.ones(n), 0, group=g)  # clean: its checksum must pass
+            g.inject_fault("corrupt")
+            dist.send(torch.ones(n), 0, group=g)
+            os._exit(0)
         time.sleep(TIMEOUT_S + 8)  # stall: alive, silent
         os._exit(0)
+    if mode == "corrupt":
+        clean = torch.empty(n)
+        dist.recv(clean, 1, group=g)
+        assert torch.equal(clean, torch.ones(n))
     start = time.monotonic()
     try:
         dist.recv(torch.empty(n), 1, group=g)

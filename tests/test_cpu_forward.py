@@ -57,8 +57,9 @@ def test_torch_parallel_machinery_matches_gloo(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("mode", "fragment"), [
     ("die", "group 'pp.dp0' recv #2 with peer 1 failed"),
     ("stall", "group 'pp.dp0' recv #2 with peer 1 did not complete within 6 s"),
+    ("corrupt", "group 'pp.dp0' recv #3 with peer 1: checksum mismatch, the data was corrupted in transit"),
 ])
-def test_dead_or_stalled_peer_fails_within_the_timeout(mode: str, fragment: str, tmp_path: Path) -> None:
+def test_dead_stalled_or_corrupting_peer_fails_within_the_timeout(mode: str, fragment: str, tmp_path: Path) -> None:
     subprocess.run([sys.executable, "-m", "bimetal.cli", "launch", "--simulate", "nvidia:1,amd:1", "--",
                     str(HERE / "cf_fault_rank.py"), str(tmp_path), mode], env=_env(), capture_output=True,
                    text=True, timeout=120)

@@ -101,6 +101,26 @@ def lab_ids_in_cgroups() -> set[str]:
     return {p.name[len(PREFIX):].split("-", 1)[0] for p in lab_cgroups()}
 
 
+RANK_ENV = "BIMETAL_LAB_RANK_ENV"
+
+
+def apply_rank_env(local_rank: int) -> None:
+    """Per-rank settings a node-wide environment cannot give: ``$BIMETAL_LAB_RANK_ENV`` is a JSON object of
+    templates, ``{nic}`` / ``{nic_addr}`` being NIC ``local_rank % K`` of this namespace (one NIC per rank)."""
+    raw = os.environ.get(RANK_ENV)
+    if not raw:
+        return
+    import json
+
+    from bimetal.topology.records import local_nics
+
+    nics = local_nics()
+    nic = nics[local_rank % len(nics)] if nics else None
+    for key, template in dict(json.loads(raw)).items():
+        os.environ[key] = str(template).format(local_rank=local_rank, nic=nic.name if nic else "lo",
+                                               nic_addr=nic.address if nic else "127.0.0.1")
+
+
 def _enter(argv: list[str]) -> int:
     """``enter BASE -- ARGS``: join ``BASE-r$LOCAL_RANK`` and exec ``python ARGS``."""
     if len(argv) < 3 or argv[0] != "enter" or argv[2] != "--" or len(argv) < 4:
@@ -108,6 +128,7 @@ def _enter(argv: list[str]) -> int:
         return 2
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     join(Path(f"{argv[1]}-r{local_rank}"))
+    apply_rank_env(local_rank)
     os.execv(sys.executable, [sys.executable, *argv[3:]])
     return 0  # not reached
 

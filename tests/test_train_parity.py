@@ -44,9 +44,9 @@ def _transport_missing(name: str) -> str | None:
     return None if hasattr(mod, "create_process_group") else f"{module} has no create_process_group yet"
 
 
-# (transport, schedule) rows: the two bimetal transports with the demo's 1F1B, and plain Gloo - the
-# reference the bimetal transports must equal - with GPipe, so both schedules run the whole loop.
-SCENARIOS = [("cpu-forward", "1f1b"), ("device-direct", "1f1b"), ("gloo", "gpipe")]
+# (transport, schedule) rows: cpu-forward with the demo's 1F1B, device-direct with GPipe, so each transport
+# and each schedule runs the whole loop. Plain Gloo stands in for cpu-forward only when that is missing.
+SCENARIOS = [("cpu-forward", "1f1b"), ("device-direct", "gpipe"), ("gloo", "1f1b")]
 
 
 def _train(run_dir: Path, *args: str, simulate: bool = False) -> subprocess.CompletedProcess:
@@ -81,6 +81,8 @@ def single(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module", params=SCENARIOS, ids=[f"{t}-{s}" for t, s in SCENARIOS])
 def pipelined(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, str]:
     transport, schedule = request.param
+    if transport == "gloo" and _transport_missing("cpu-forward") is None:
+        pytest.skip("Gloo is only the stand-in while cpu-forward is missing")
     if (why := _transport_missing(transport)) is not None:
         pytest.skip(f"transport {transport} not testable: {why}")
     run = tmp_path_factory.mktemp(f"pp-{transport}") / "run"
@@ -100,25 +102,28 @@ def test_pipeline_matches_single_process(single: Path, pipelined: tuple[str, Pat
     assert sorted(w_got) == sorted(w_ref)
     for name, t in w_ref.items():
         assert float((w_got[name] - t).norm() / t.norm()) <= RTOL, name
-    # The group table shows cross-vendor pipeline groups on the transport asked for; the summary counts
-    # the pipeline bytes: 2 groups x 4 microbatches x (activation + gradient) of 2x128x128 floats, 20 steps.
+    # The group table shows cross-vendor pipeline groups on the transport asked for; the summary counts at
+    # least the pipeline payload - 2 groups x 4 microbatches x (activation + gradient) of 2x128x128 floats,
+    # 20 steps - and, from a bimetal transport's own counters, little more (loss broadcast, clip all-reduce).
     backend = {"cpu-forward": "bimetal_cpu_forward", "device-direct": "bimetal_device_direct"}.get(transport, "gloo")
     assert any(line.startswith("pp.dp0") and "cross-vendor" in line and backend in line for line in
                stdout.splitlines()), stdout
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["xvendor_bytes"] == 20 * 2 * 4 * 2 * (2 * 128 * 128 * 4) and summary["pp_transport"] == backend
+    payload = 20 * 2 * 4 * 2 * (2 * 128 * 128 * 4)
+    assert payload <= summary["xvendor_bytes"] <= payload + 20 * 4096 and summary["pp_transport"] == backend
+    want_source = "pipeline send ops" if transport == "gloo" else "transport counters"
+    assert summary["xvendor_source"] == want_source
 
 
 def test_resume_after_step_10_is_identical(pipelined: tuple[str, Path, str], tmp_path: Path) -> None:
     transport, run, _ = pipelined
-    if transport == "gloo" and _transport_missing("cpu-forward") is None:
-        pytest.skip("resume is checked on the bimetal transports; Gloo stands in only while cpu-forward is missing")
+    if transport == "device-direct":
+        pytest.skip("resume is checked once, on the cpu-forward (or stand-in Gloo) row; it does not depend on the"
+                    " transport")
     resumed = tmp_path / "run"
     (resumed / "checkpoints").mkdir(parents=True)
     shutil.copytree(run / "checkpoints" / "step-000010", resumed / "checkpoints" / "step-000010")
-    schedule = "gpipe" if transport == "gloo" else "1f1b"
-    r = _train(resumed, f"--parallel.pp_transport={transport}", f"--parallel.schedule={schedule}", "--resume",
-               simulate=True)
+    r = _train(resumed, f"--parallel.pp_transport={transport}", "--resume", simulate=True)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert "resumed from" in r.stdout
     full, again = _losses(run), _losses(resumed)

@@ -77,7 +77,7 @@ class StepMetrics:
                       f"xvendor {comm_s * 1e3:.0f} ms {comm_bytes / 1e6:.2f} MB", flush=True)
         return rec
 
-    def summary(self, transport: str) -> dict[str, Any]:
+    def summary(self, transport: str, xvendor_source: str = "none") -> dict[str, Any]:
         """Loss start/end/max, tokens/s median and spread (the first step is warm-up when there are more)."""
         if not self.records:
             return {}
@@ -90,7 +90,7 @@ class StepMetrics:
                "tokens_per_s_max": max(tps), "tokens_per_s_stdev": statistics.pstdev(tps),
                "mfu_median": statistics.median(mfus) if mfus else None, "pp_transport": transport,
                "xvendor_bytes": sum(r["xvendor_bytes"] for r in self.records),
-               "xvendor_comm_s": sum(r["xvendor_comm_s"] for r in self.records),
+               "xvendor_comm_s": sum(r["xvendor_comm_s"] for r in self.records), "xvendor_source": xvendor_source,
                "run_dir": str(self.path.parent)}
         if self.rank == 0:
             (self.path.parent / "summary.json").write_text(json.dumps(out, indent=1))
@@ -110,8 +110,8 @@ def format_summary(s: dict[str, Any]) -> str:
                      f" range, {s['tokens_per_s_stdev']:.0f} stdev"),
         ("mfu", mfu),
         ("pp transport", s["pp_transport"]),
-        ("cross-vendor", f"{s['xvendor_bytes'] / 1e6:.1f} MB moved, {s['xvendor_comm_s']:.2f} s in pp send/recv "
-                         "(per rank, waits included)"),
+        ("cross-vendor", f"{s['xvendor_bytes'] / 1e6:.1f} MB moved (all ranks, {s['xvendor_source']}), "
+                         f"{s['xvendor_comm_s']:.2f} s in pp send/recv (per rank, waits included)"),
         ("run folder", f"{s['run_dir']} (metrics.jsonl, summary.json, checkpoints/)"),
     ]
     return "summary:\n" + "\n".join(f"  {k:<13} {v}" for k, v in rows)

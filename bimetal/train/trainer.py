@@ -62,20 +62,36 @@ def _model_args(cfg: TrainConfig) -> Any:
 
 
 class _XvendorMeter:
-    """Cross-vendor communication per step, summed over the job: pp transfers when the pp group is mixed."""
+    """Cross-vendor communication per step, summed over the job: pp transfers when the pp group is mixed.
+
+    Bytes come from the transport's own counters (every op on the pp group: activations, gradients, the
+    loss broadcast, the clip all-reduce) when the group is a bimetal transport, else from the pipeline's
+    send ops. Time is this rank's schedule time minus its stage compute, waits for the peer included.
+    """
 
     def __init__(self, ctx: Any, runner: PipelineRunner | None) -> None:
         name = ctx.my_group_name("pp") if ctx else None
         self.active = runner is not None and name is not None and ctx.spec(name).kind == "cross-vendor"
         self.runner, self.ctx = runner, ctx
+        self.counters = getattr(ctx.pp_group, "counters", None) if self.active else None
+        self.source = "transport counters" if self.counters is not None else "pipeline send ops"
+        self._last = self._sent()
+
+    def _sent(self) -> int:
+        if self.counters is not None:
+            return int(self.counters.snapshot()["bytes_sent"])
+        return self.runner.pipe_stage.sent_bytes if self.runner is not None else 0
 
     def read(self, schedule_s: float) -> tuple[float, int]:
         """(seconds, bytes) of the last step: this rank's pp time, and the bytes every rank sent."""
         if not self.active or self.runner is None:
             return 0.0, 0
         st = self.runner.pipe_stage
-        local = torch.tensor([float(st.sent_bytes), max(0.0, schedule_s - st.compute_s)], dtype=torch.float64)
+        sent, self._last = self._sent() - self._last, self._sent()
+        local = torch.tensor([float(sent), max(0.0, schedule_s - st.compute_s)], dtype=torch.float64)
         st.reset_counters()
+        if self.counters is None:
+            self._last = 0
         dist.all_reduce(local)  # world (Gloo, CPU): bytes summed over ranks; time as the mean per rank
         return float(local[1]) / self.ctx.world_size, int(local[0])
 
@@ -197,4 +213,5 @@ def _run(cfg: TrainConfig, ctx: Any, models: Any, args: Any, split: list[int], t
                              "rng": checkpoint.rng_state()}, meta, rank)
     if cfg.checkpoint.export_hf:
         export_model(model, family, args, split, ctx, cfg.checkpoint.export_hf)
-    return metrics.summary(ctx.spec(ctx.my_group_name("pp")).backend if runner is not None else "none")
+    transport = ctx.spec(ctx.my_group_name("pp")).backend if runner is not None else "none"
+    return metrics.summary(transport, meter.source if meter.active else "none")

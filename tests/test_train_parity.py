@@ -5,7 +5,8 @@ Scenarios (one row each, below): the debug LLaMA-3 of ``configs/demo.toml`` with
 two "amd" ranks, the pipeline groups cross vendors over the transport of the row) and as a single process
 with the same global batch (dp 2 x 8 rows) and the same 2-row microbatches. Checked at every step: the
 losses agree within 1e-5 relative (float32 on CPU); after step 20 every weight tensor agrees within 1e-5
-relative (norm of the difference over the norm). Resume: the 4-rank run restarted from its step-10
+relative (norm of the difference over the norm), and the HF export (both stages gathered into one model)
+holds exactly the final checkpoint's weights. Resume: the 4-rank run restarted from its step-10
 checkpoint gives the same losses at steps 11-20 as the uninterrupted run, bit for bit. A checkpoint of
 another model is refused with one sentence and exit status 2.
 """
@@ -86,7 +87,8 @@ def pipelined(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
     if (why := _transport_missing(transport)) is not None:
         pytest.skip(f"transport {transport} not testable: {why}")
     run = tmp_path_factory.mktemp(f"pp-{transport}") / "run"
-    r = _train(run, f"--parallel.pp_transport={transport}", f"--parallel.schedule={schedule}", simulate=True)
+    r = _train(run, f"--parallel.pp_transport={transport}", f"--parallel.schedule={schedule}",
+               f"--checkpoint.export_hf={run / 'hf'}", simulate=True)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     return transport, run, r.stdout
 
@@ -108,6 +110,11 @@ def test_pipeline_matches_single_process(single: Path, pipelined: tuple[str, Pat
     backend = {"cpu-forward": "bimetal_cpu_forward", "device-direct": "bimetal_device_direct"}.get(transport, "gloo")
     assert any(line.startswith("pp.dp0") and "cross-vendor" in line and backend in line for line in
                stdout.splitlines()), stdout
+    # The HF export gathers both stages into one model: exactly the weights of the final checkpoint.
+    from bimetal.models import from_hf
+
+    exported = dict(from_hf(run / "hf").named_parameters())
+    assert sorted(exported) == sorted(w_got) and all(torch.equal(exported[n], w_got[n]) for n in w_got)
     summary = json.loads((run / "summary.json").read_text())
     payload = 20 * 2 * 4 * 2 * (2 * 128 * 128 * 4)
     assert payload <= summary["xvendor_bytes"] <= payload + 20 * 4096 and summary["pp_transport"] == backend

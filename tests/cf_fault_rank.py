@@ -1,13 +1,15 @@
 """Rank program: a peer that dies or stalls mid-transfer on cpu-forward.
 
 ``python cf_fault_rank.py OUT_DIR MODE`` with 2 ranks; MODE ``die`` (rank 1 exits abruptly after sending
-half of a chunked message), ``stall`` (rank 1 stops answering) or ``corrupt`` (checksums on, rank 1 flips
-a byte of its message after computing the checksum). Rank 0 records what its receive raised
+half of a chunked message), ``stall`` (rank 1 stops answering) ``corrupt`` (checksums on, rank 1 flips
+a byte of its message after computing the checksum) or ``desync`` (rank 1 calls all_gather where rank 0
+calls all_reduce: both time out and rank 0's error says what rank 1 was doing). Rank 0 records what its receive raised
 and how long it took in ``OUT_DIR/rank0.json``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -44,6 +46,10 @@ def main() -> None:
             g.inject_fault("corrupt")
             dist.send(torch.ones(n), 0, group=g)
             os._exit(0)
+        if mode == "desync":
+            with contextlib.suppress(Exception):  # it times out too; rank 0's error is the one checked
+                dist.all_gather([torch.empty(4), torch.empty(4)], torch.ones(4), group=g)
+            os._exit(0)
         time.sleep(TIMEOUT_S + 8)  # stall: alive, silent
         os._exit(0)
     if mode == "corrupt":
@@ -52,7 +58,10 @@ def main() -> None:
         assert torch.equal(clean, torch.ones(n))
     start = time.monotonic()
     try:
-        dist.recv(torch.empty(n), 1, group=g)
+        if mode == "desync":
+            dist.all_reduce(torch.ones(n), group=g)
+        else:
+            dist.recv(torch.empty(n), 1, group=g)
         result = {"error": None}
     except Exception as exc:
         result = {"error": str(exc), "type": type(exc).__name__}

@@ -57,6 +57,8 @@ def test_torch_parallel_machinery_matches_gloo(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("mode", "fragment"), [
     ("die", "group 'pp.dp0' recv #2 with peer 1 failed"),
     ("stall", "group 'pp.dp0' recv #2 with peer 1 did not complete within 6 s"),
+    ("desync", "group 'pp.dp0' all_reduce #2 did not complete within 6 s (the peer did not answer: dead, stalled or "
+               "in a different operation); desync: rank 1 is in all_gather #2"),
     ("corrupt", "group 'pp.dp0' recv #3 with peer 1: checksum mismatch, the data was corrupted in transit"),
 ])
 def test_dead_stalled_or_corrupting_peer_fails_within_the_timeout(mode: str, fragment: str, tmp_path: Path) -> None:

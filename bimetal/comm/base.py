@@ -10,6 +10,7 @@ names the group description, the operation, the peer and the sequence number.
 
 from __future__ import annotations
 
+import json
 import threading
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -148,6 +149,8 @@ class BimetalProcessGroup(dist.ProcessGroup):
         self._name = ""
         self._desc = ""
         self._closed = False
+        self.store: dist.Store | None = None
+        """The group's store, for the desync report after a timeout (set by the creator)."""
 
     # --- names: DeviceMesh, DTensor and functional collectives need them ---------------------------
     def setGroupName(self, name: str) -> None:  # noqa: N802 (torch's method name)
@@ -199,6 +202,40 @@ class BimetalProcessGroup(dist.ProcessGroup):
             seq = self._seq
         self.counters.add(ops=1)
         return OpRecord(self.description, op, seq, None if peer is None else self.global_rank(peer))
+
+    def diagnose(self, op: OpRecord, wait_s: float | None = None) -> str:
+        """After a timeout: publish where this rank is and say where the others are (desync detection).
+
+        Each rank that times out writes ``{"op", "seq"}`` (JSON) under its group rank; peers that are alive
+        but stuck elsewhere time out too and publish theirs. Returns a sentence fragment for the error.
+        """
+        if self.store is None:
+            return ""
+        # peers time out up to the skew between ranks later; the issue's bound is timeout + 30 s in all
+        wait_s = wait_s if wait_s is not None else min(25.0, max(5.0, self.timeout.total_seconds()))
+        try:
+            self.store.set(f"bimetal_diag/{self._rank}", json.dumps({"op": op.op, "seq": op.seq}))
+        except Exception:
+            return ""
+        notes = []
+        for r in range(self._size):
+            if r == self._rank:
+                continue
+            key = f"bimetal_diag/{r}"
+            try:
+                self.store.wait([key], timedelta(seconds=wait_s))
+                rec = json.loads(self.store.get(key))
+                peer_op, peer_seq = rec["op"], rec["seq"]
+                if not isinstance(peer_op, str) or not isinstance(peer_seq, int):
+                    raise ValueError
+            except (RuntimeError, ValueError, KeyError, TypeError):
+                notes.append(f"rank {self.global_rank(r)} did not report (dead, or busy outside this group)")
+                continue
+            if (peer_op, peer_seq) != (op.op, op.seq):
+                notes.append(f"desync: rank {self.global_rank(r)} is in {peer_op} #{peer_seq}")
+            else:
+                notes.append(f"rank {self.global_rank(r)} is in the same {peer_op} #{peer_seq}")
+        return "; ".join(notes)
 
     def unsupported(self, op: str, what: str) -> UnsupportedOperation:
         return UnsupportedOperation(f"group {self.description!r}: {op} with {what} is not supported by "

@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import torch.distributed as dist
+
 from bimetal.comm.cpu_forward.pg import CpuForwardProcessGroup
 from bimetal.comm.striping import CpuForwardOptions, build_stripes, choose_interfaces
 
@@ -28,6 +30,8 @@ def create_process_group(dist_backend_opts: Any, pg_options: Any) -> CpuForwardP
     interfaces = choose_interfaces(opts)
     stripes = build_stripes(dist_backend_opts.store, rank, size, timeout, interfaces)
     checksum = os.environ.get("BIMETAL_CF_CHECKSUM", "") not in ("", "0")
-    return CpuForwardProcessGroup(stripes, rank, size, timeout, opts,
-                                  global_ranks=list(dist_backend_opts.global_ranks_in_group) or None,
-                                  interfaces=interfaces, checksum=checksum)
+    pg = CpuForwardProcessGroup(stripes, rank, size, timeout, opts,
+                                global_ranks=list(dist_backend_opts.global_ranks_in_group) or None,
+                                interfaces=interfaces, checksum=checksum)
+    pg.store = dist.PrefixStore("bimetal_cf", dist_backend_opts.store)
+    return pg

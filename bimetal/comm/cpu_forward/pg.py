@@ -76,8 +76,8 @@ class _Worker:
 
 
 class _Deadline:
-    def __init__(self, op: OpRecord, timeout: timedelta):
-        self.op, self.timeout = op, timeout
+    def __init__(self, op: OpRecord, timeout: timedelta, diagnose: Callable[[OpRecord], str] | None = None):
+        self.op, self.timeout, self.diagnose = op, timeout, diagnose
         self.end = time.monotonic() + timeout.total_seconds()
 
     def wait(self, work: dist.Work) -> None:
@@ -93,8 +93,10 @@ class _Deadline:
             raise TransportError(f"{self.op.describe()} failed: {text.splitlines()[0]}") from None
 
     def expired(self) -> TransportTimeout:
+        where = self.diagnose(self.op) if self.diagnose else ""
         return TransportTimeout(f"{self.op.describe()} did not complete within {self.timeout.total_seconds():g} s "
-                                "(the peer did not answer: dead, stalled or in a different operation)")
+                                "(the peer did not answer: dead, stalled or in a different operation)"
+                                + (f"; {where}" if where else ""))
 
 
 class CpuForwardProcessGroup(BimetalProcessGroup):
@@ -129,7 +131,7 @@ class CpuForwardProcessGroup(BimetalProcessGroup):
 
         def job() -> None:
             try:
-                fut.set_result(body(_Deadline(op, self.timeout)))
+                fut.set_result(body(_Deadline(op, self.timeout, self.diagnose)))
             except TransportError as exc:
                 fut.set_exception(exc)
             except Exception as exc:  # a Gloo or torch error: name the op, keep the cause's first line

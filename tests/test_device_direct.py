@@ -11,6 +11,7 @@ import os
 import threading
 import time
 import traceback
+import warnings
 import zlib
 from datetime import timedelta
 from pathlib import Path
@@ -41,13 +42,15 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
-def _join_world(rank: int, port: int, timeout_s: float) -> dist.ProcessGroup:
+def _join_world(rank: int, port: int, timeout_s: float, group: bool = True) -> dist.ProcessGroup:
     torch.set_num_threads(1)
     os.environ.update(BIMETAL_DD_HOST="127.0.0.1", BIMETAL_DD_PROTOCOL="tcp", GLOG_minloglevel="2")
     import bimetal  # noqa: F401  (registers the back-ends)
 
     store = dist.TCPStore("127.0.0.1", port, 2, False, timeout=timedelta(seconds=30))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    if not group:
+        return dist.group.WORLD
     return dist.new_group([0, 1], backend="bimetal_device_direct", timeout=timedelta(seconds=timeout_s))
 
 
@@ -162,7 +165,31 @@ def _close(pg: dist.ProcessGroup) -> bool:
     return pg.proxy.alive
 
 
-SCENARIOS = {"exchange": _exchange, "pipeline": _pipeline, "killed": _killed}
+def _fallback(rank: int, port: int) -> dict:
+    from bimetal.comm.device_direct import EngineUnavailableError
+    from bimetal.errors import UserError
+
+    _join_world(rank, port, 30, group=False)
+    # only rank 1 cannot start its engine (rdma asked, no verbs device): both ranks must take the same decision
+    protocol = "rdma" if rank == 1 else "tcp"
+    try:
+        dist.new_group([0, 1], backend="bimetal_device_direct", pg_options={"protocol": protocol})
+    except EngineUnavailableError as exc:
+        assert isinstance(exc, UserError)
+        refused = str(exc)
+    else:
+        raise AssertionError("the error policy built a group although rank 1 has no engine")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pg = dist.new_group([0, 1], backend="bimetal_device_direct",
+                            pg_options={"protocol": protocol, "fallback": "cpu-forward"})
+    t = torch.arange(5.0) if rank == 0 else torch.zeros(5)
+    (dist.send if rank == 0 else dist.recv)(t, 1 - rank, group=pg)
+    assert t.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
+    return {"refused": refused, "warnings": [str(w.message) for w in caught], "backend": type(pg).__name__}
+
+
+SCENARIOS = {"exchange": _exchange, "pipeline": _pipeline, "killed": _killed, "fallback": _fallback}
 
 
 def _spawn(scenario: str, tmp_path: Path) -> list[dict]:
@@ -195,3 +222,14 @@ def test_killed_peer_fails_the_survivor_naming_it(tmp_path: Path) -> None:
     assert "peer rank 1" in survivor["error"] and "recv" in survivor["error"], survivor["error"]
     assert survivor["seconds"] < 8 + 2, survivor
     assert survivor["alive_after"] is False
+
+
+def test_engine_missing_on_one_rank_errors_or_falls_back_on_all(tmp_path: Path) -> None:
+    pytest.importorskip("bimetal.comm.cpu_forward")
+    v0, v1 = _spawn("fallback", tmp_path)
+    assert v0["ok"] and v1["ok"], (v0, v1)
+    assert "global rank 1" in v0["refused"] and "verbs device" in v0["refused"], v0["refused"]
+    assert "this rank" in v1["refused"] and "BIMETAL_DD_FALLBACK=cpu-forward" in v1["refused"], v1["refused"]
+    for v in (v0, v1):
+        assert v["backend"] == "CpuForwardProcessGroup", v
+        assert any("falls back to cpu-forward" in w for w in v["warnings"]), v["warnings"]

@@ -123,7 +123,7 @@ class DeviceDirectProcessGroup(BimetalProcessGroup):
         def account(f: torch.futures.Future) -> list[torch.Tensor]:
             f.value()  # re-raises the proxy's error
             if kind == "send":
-                self.counters.add(bytes_sent=nbytes, bytes_direct=nbytes)
+                self.counters.add(bytes_sent=nbytes)
             else:
                 self.counters.add(bytes_received=nbytes)
             return [tensor]
@@ -193,9 +193,11 @@ class DeviceDirectProcessGroup(BimetalProcessGroup):
     # -- life cycle and counters ----------------------------------------------------------------------------
 
     def comm_stats(self) -> dict[str, int]:
-        """The base counters plus the proxy's: staged bytes are 0 unless a CPU pool fed a GPU tensor."""
+        """The base counters with the proxy's staged/direct split (staging happens only where the engine or a
+        CPU receive pool bounces GPU memory through the host; on RDMA, or on CPU tensors, it is 0)."""
         stats = self.counters.snapshot()
-        stats["bytes_staged"] += self.proxy.staged_bytes
+        stats["bytes_staged"] = self.proxy.staged_bytes
+        stats["bytes_direct"] = self.proxy.direct_bytes
         stats["landing_copy_bytes"] = self.proxy.landing_copy_bytes
         return stats
 

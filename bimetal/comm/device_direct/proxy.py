@@ -50,7 +50,7 @@ def _ready_event(t: torch.Tensor) -> Any:
     return event
 
 
-@dataclass
+@dataclass(eq=False)  # ops compare by identity (their tensors make == ambiguous)
 class _Op:
     kind: str  # send | recv
     flat: torch.Tensor  # the user's bytes (uint8 view)
@@ -77,7 +77,7 @@ class Proxy:
         self.chunk, self.nslots, self.window, self.timeout = chunk, slots, window, timeout
         self.device = device or torch.device("cpu")
         self.staged_bytes = 0  # bytes bounced through host memory: none by construction, counted to prove it
-        self.direct_bytes = 0  # bytes the engine wrote from our memory into a peer's
+        self.direct_bytes = 0  # bytes the engine wrote from our memory into a peer's without a host bounce
         self.landing_copy_bytes = 0  # eager bytes copied slot -> user tensor on the same device
         self.received_bytes = 0
         self._ops: queue.Queue[_Op | None] = queue.Queue()
@@ -150,16 +150,29 @@ class Proxy:
 
     def _run(self) -> None:
         try:
+            idle = 0
             while not self._stop.is_set():
+                if not (self._sends or self._recvs) and not self._wait_for_op():
+                    continue  # nothing to do: block instead of spinning (notes wait in the engine meanwhile)
                 busy = self._take_ops()
                 busy |= self._take_notes()
                 busy |= self._progress()
                 self._check_health()
-                if not busy:
-                    time.sleep(0.0001)
+                idle = 0 if busy else idle + 1
+                # spin (yielding the GIL) while a reply is imminent, back off when the peer is slow
+                time.sleep(0 if idle < 200 else 0.0002)
         except BaseException as exc:  # a bug or a broken engine: every pending Work learns why
             self.error = exc
         self._fail_all(self.error or TransportError("the device-direct process group was shut down"))
+
+    def _wait_for_op(self) -> bool:
+        try:
+            op = self._ops.get(timeout=0.05)
+        except queue.Empty:
+            return False
+        if op is not None:
+            self._admit(op)
+        return True
 
     def _take_ops(self) -> bool:
         busy = False
@@ -171,16 +184,19 @@ class Proxy:
             if op is None:
                 return busy
             busy = True
-            if op.peer in self._dead:
-                op.fut.set_exception(TransportError(f"{op.what}: {self._dead[op.peer]}"))
-                continue
-            key = (op.kind, op.peer, op.tag)
-            op.seq = self._next_seq[key]
-            self._next_seq[key] += 1
-            if op.kind == "send":
-                self._sends.append(op)
-            else:
-                self._recvs[(op.peer, op.tag, op.seq)] = op
+            self._admit(op)
+
+    def _admit(self, op: _Op) -> None:
+        if op.peer in self._dead:
+            op.fut.set_exception(TransportError(f"{op.what}: {self._dead[op.peer]}"))
+            return
+        key = (op.kind, op.peer, op.tag)
+        op.seq = self._next_seq[key]
+        self._next_seq[key] += 1
+        if op.kind == "send":
+            self._sends.append(op)
+        else:
+            self._recvs[(op.peer, op.tag, op.seq)] = op
 
     def _take_notes(self) -> bool:
         notes = self.engine.notifications()
@@ -200,6 +216,8 @@ class Proxy:
                 recv = self._recvs.pop((peer, note["tag"], note["seq"]), None)
                 if recv is not None:
                     self.engine.unregister(recv.flat.data_ptr())
+                    if self.engine.protocol == "tcp" and recv.flat.device.type != "cpu":
+                        self.staged_bytes += recv.flat.numel()  # bounced through the host inside the engine
                     self.received_bytes += recv.flat.numel()
                     recv.fut.set_result(None)
             else:  # eager or rts: wait for the matching recv
@@ -257,7 +275,6 @@ class Proxy:
                 remote = self._remote[op.peer] + op.slot * self.chunk
                 op.pending.append((self._post(op, remote, 0, op.flat.numel()), op.flat.numel()))
             op.state = "eager-writing"
-            return True
         if op.state == "writing":
             while len(op.pending) < self.window and op.off < op.flat.numel():
                 n = min(self.chunk, op.flat.numel() - op.off)
@@ -282,7 +299,7 @@ class Proxy:
                 continue
             if status is WriteStatus.FAILED:
                 raise PeerFailedError(f"a {n}-byte write to it did not complete")
-            self.direct_bytes += n
+            self._count(op.flat, n)
             busy = True
         op.pending = still
         done = not still and (op.state == "eager-writing" or op.off >= op.flat.numel())
@@ -296,6 +313,13 @@ class Proxy:
             self._sends.remove(op)
             op.fut.set_result(None)
         return busy or done
+
+    def _count(self, t: torch.Tensor, n: int) -> None:
+        # Mooncake's TCP transport bounces GPU memory through host buffers inside the engine: that is staging
+        if self.engine.protocol == "tcp" and t.device.type != "cpu":
+            self.staged_bytes += n
+        else:
+            self.direct_bytes += n
 
     def _match_recv(self, op: _Op, note: dict[str, Any]) -> bool:
         if op.ready is not None and not op.ready.query():
@@ -317,10 +341,12 @@ class Proxy:
                 self.landing_copy_bytes += nbytes
                 if src.device.type == "cpu" and op.flat.device.type != "cpu":
                     self.staged_bytes += nbytes  # a CPU pool feeding a GPU tensor is host staging: say so
-            self._notify(op.peer, "credit", slot=slot)
+                elif self.engine.protocol == "tcp" and src.device.type != "cpu":
+                    self.staged_bytes += nbytes  # the engine's TCP receive path bounced it through the host
             del self._recvs[(op.peer, op.tag, op.seq)]
             self.received_bytes += nbytes
-            op.fut.set_result(None)
+            op.fut.set_result(None)  # before the credit goes back: the user's thread need not wait for it
+            self._notify(op.peer, "credit", slot=slot)
         else:  # rts: let the sender write straight into the user's tensor
             self.engine.register(op.flat.data_ptr(), nbytes, _location(op.flat))
             op.state = "rtr"

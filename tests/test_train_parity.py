@@ -3,7 +3,7 @@
 Scenarios (one row each, below): the debug LLaMA-3 of ``configs/demo.toml`` with its uneven split [3, 1],
 20 steps, run as 4 ranks (``--simulate nvidia:2,amd:2``: stage 0 on the two "nvidia" ranks, stage 1 on the
 two "amd" ranks, the pipeline groups cross vendors over the transport of the row) and as a single process
-with the same global batch (dp 2 x 8 rows) and the same 2-row microbatches. Checked at every step: the
+with the same global batch (dp 2 x 8 rows of 64 tokens) and the same 2-row microbatches. Checked at every step: the
 losses agree within 1e-5 relative (float32 on CPU); after step 20 every weight tensor agrees within 1e-5
 relative (norm of the difference over the norm), and the HF export (both stages gathered into one model)
 holds exactly the final checkpoint's weights. Resume: the 4-rank run restarted from its step-10
@@ -27,7 +27,8 @@ pytestmark = pytest.mark.timeout(300)
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "configs" / "demo.toml"
 EXE = str(Path(sys.executable).parent / "bimetal")
-COMMON = ["--training.steps=20", "--checkpoint.every=10", "--metrics.log_every=100"]
+SEQ = 64  # half the demo's 128: the same model and corpus, half the CPU time
+COMMON = ["--training.steps=20", "--checkpoint.every=10", "--metrics.log_every=100", f"--data.seq_len={SEQ}"]
 SINGLE = ["--parallel.pp=1", "--parallel.dp=1", "--parallel.layers_per_stage=[]", "--data.batch_size=16",
           "--parallel.microbatches=8"]
 RTOL = 1e-5
@@ -105,7 +106,7 @@ def test_pipeline_matches_single_process(single: Path, pipelined: tuple[str, Pat
     for name, t in w_ref.items():
         assert float((w_got[name] - t).norm() / t.norm()) <= RTOL, name
     # The group table shows cross-vendor pipeline groups on the transport asked for; the summary counts at
-    # least the pipeline payload - 2 groups x 4 microbatches x (activation + gradient) of 2x128x128 floats,
+    # least the pipeline payload - 2 groups x 4 microbatches x (activation + gradient) of 2xSEQx128 floats,
     # 20 steps - and, from a bimetal transport's own counters, little more (loss broadcast, clip all-reduce).
     backend = {"cpu-forward": "bimetal_cpu_forward", "device-direct": "bimetal_device_direct"}.get(transport, "gloo")
     assert any(line.startswith("pp.dp0") and "cross-vendor" in line and backend in line for line in
@@ -116,9 +117,9 @@ def test_pipeline_matches_single_process(single: Path, pipelined: tuple[str, Pat
     exported = dict(from_hf(run / "hf").named_parameters())
     assert sorted(exported) == sorted(w_got) and all(torch.equal(exported[n], w_got[n]) for n in w_got)
     summary = json.loads((run / "summary.json").read_text())
-    payload = 20 * 2 * 4 * 2 * (2 * 128 * 128 * 4)
+    payload = 20 * 2 * 4 * 2 * (2 * SEQ * 128 * 4)
     assert payload <= summary["xvendor_bytes"] <= payload + 20 * 4096 and summary["pp_transport"] == backend
-    want_source = "pipeline send ops" if transport == "gloo" else "transport counters"
+    want_source = "pp: " + ("pipeline send ops" if transport == "gloo" else "transport counters")
     assert summary["xvendor_source"] == want_source
 
 
@@ -154,3 +155,21 @@ def test_gradient_accumulation_matches_one_big_batch(single: Path, tmp_path: Pat
     ref, got = _losses(single), _losses(run)
     assert sorted(got) == list(range(1, 11))
     assert all(abs(got[s] - ref[s]) <= RTOL * abs(ref[s]) for s in got), [(s, got[s], ref[s]) for s in got]
+
+
+def test_dp_across_vendors_hierarchical_matches_single_process(single: Path, tmp_path: Path) -> None:
+    # pp=1 x dp=4 over nvidia:2,amd:2: the dp group spans vendors, so gradients take the hierarchical path
+    # (reduce-scatter in each vendor island, cross-vendor all-reduce of the shard on cpu-forward, all-gather).
+    if (why := _transport_missing("cpu-forward")) is not None:
+        pytest.skip(f"transport cpu-forward not testable: {why}")
+    run = tmp_path / "run"
+    r = _train(run, "--parallel.pp=1", "--parallel.dp=4", "--parallel.layers_per_stage=[]",
+               "--parallel.microbatches=2", "--data.batch_size=4", "--parallel.allow_cross_vendor_dp=true",
+               "--parallel.dp_transport=cpu-forward", "--training.steps=10", simulate=True)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert "dp.stage0.cross0" in r.stdout and "hierarchical" in r.stdout
+    ref, got = _losses(single), _losses(run)
+    assert sorted(got) == list(range(1, 11))
+    assert all(abs(got[s] - ref[s]) <= RTOL * abs(ref[s]) for s in got), [(s, got[s], ref[s]) for s in got]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["xvendor_bytes"] > 0 and summary["dp_cross_vendor_transport"].endswith("(hierarchical)")

@@ -35,6 +35,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--config", help="TOML config file")
     parser.add_argument("--simulate", help="simulate vendors on this machine, e.g. nvidia:2,amd:2")
     parser.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
+    parser.add_argument("--max-restarts", type=int, default=0,
+                        help="with --simulate: restart the ranks this often after a failure; they resume by themselves")
     ns, rest = parser.parse_known_args(argv)
     overrides = list(rest) + (["--checkpoint.resume=true"] if ns.resume else [])
     cfg = load_config(ns.config, overrides)  # UserError -> one sentence, exit 2 (bimetal.cli)
@@ -44,7 +46,8 @@ def main(argv: list[str]) -> int:
         from bimetal.launch import launch
 
         n = sum(int(part.split(":")[1]) for part in ns.simulate.split(","))
-        return launch(["-m", "bimetal.train", *argv], simulate=ns.simulate, nproc_per_node=n)
+        return launch(["-m", "bimetal.train", *argv], simulate=ns.simulate, nproc_per_node=n,
+                      max_restarts=ns.max_restarts)
     from bimetal.train.trainer import train
 
     summary = train(cfg)

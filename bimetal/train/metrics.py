@@ -77,7 +77,7 @@ class StepMetrics:
                       f"xvendor {comm_s * 1e3:.0f} ms {comm_bytes / 1e6:.2f} MB", flush=True)
         return rec
 
-    def summary(self, transport: str, xvendor_source: str = "none") -> dict[str, Any]:
+    def summary(self, transport: str, xvendor_source: str = "none", dp_transport: str = "none") -> dict[str, Any]:
         """Loss start/end/max, tokens/s median and spread (the first step is warm-up when there are more)."""
         if not self.records:
             return {}
@@ -89,6 +89,7 @@ class StepMetrics:
                "tokens_per_s_median": statistics.median(tps), "tokens_per_s_min": min(tps),
                "tokens_per_s_max": max(tps), "tokens_per_s_stdev": statistics.pstdev(tps),
                "mfu_median": statistics.median(mfus) if mfus else None, "pp_transport": transport,
+               "dp_cross_vendor_transport": dp_transport,
                "xvendor_bytes": sum(r["xvendor_bytes"] for r in self.records),
                "xvendor_comm_s": sum(r["xvendor_comm_s"] for r in self.records), "xvendor_source": xvendor_source,
                "run_dir": str(self.path.parent)}
@@ -110,8 +111,10 @@ def format_summary(s: dict[str, Any]) -> str:
                      f" range, {s['tokens_per_s_stdev']:.0f} stdev"),
         ("mfu", mfu),
         ("pp transport", s["pp_transport"]),
+        *([("dp transport", s["dp_cross_vendor_transport"] + ", across vendors")]
+          if s.get("dp_cross_vendor_transport", "none") != "none" else []),
         ("cross-vendor", f"{s['xvendor_bytes'] / 1e6:.1f} MB moved (all ranks, {s['xvendor_source']}), "
-                         f"{s['xvendor_comm_s']:.2f} s in pp send/recv (per rank, waits included)"),
+                         f"{s['xvendor_comm_s']:.2f} s in cross-vendor comm (per rank, waits included)"),
         ("run folder", f"{s['run_dir']} (metrics.jsonl, summary.json, checkpoints/)"),
     ]
     return "summary:\n" + "\n".join(f"  {k:<13} {v}" for k, v in rows)

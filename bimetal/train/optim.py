@@ -8,6 +8,7 @@ replicas hold equal averaged gradients after the dp all-reduce, so no dp reducti
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -42,20 +43,48 @@ def build_scheduler(
         opt, lambda s: lr_factor(s, total_steps, cfg.warmup_steps, cfg.min_lr_ratio))
 
 
-def average_gradients(model: nn.Module, group: dist.ProcessGroup | None, size: int) -> None:
-    """Average gradients over the dp group: one flat all-reduce per step rather than one per tensor."""
+def average_gradients(model: nn.Module, group: dist.ProcessGroup | None, size: int, hierarchical: Any = None) -> int:
+    """Average gradients over the dp group: one flat buffer per step rather than one op per tensor.
+
+    ``hierarchical`` (``ParallelContext.hierarchical``, set when the dp group spans vendors) switches to the
+    two-level reduction: reduce-scatter inside this rank's vendor island on the native back-end, all-reduce
+    of the shard across islands on the bimetal transport, all-gather inside the island. Only ``1/island``
+    of the gradient bytes then cross vendors, and the native library does the rest.
+    Returns the bytes this rank handed to the cross-island all-reduce (0 without ``hierarchical``).
+    """
     if size <= 1:
-        return
+        return 0
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     if not grads:
-        return
+        return 0
     flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
+    cross = 0
+    if hierarchical is None:
+        dist.all_reduce(flat, group=group)
+    else:
+        cross = _hierarchical_sum(flat, hierarchical)
     flat /= size
     offset = 0
     for g in grads:
         g.copy_(flat[offset:offset + g.numel()].view_as(g))
         offset += g.numel()
+    return cross
+
+
+def _hierarchical_sum(flat: torch.Tensor, h: Any) -> int:
+    """Sum ``flat`` over every rank of a vendor-spanning dp group, in place; returns the cross-island bytes."""
+    n = h.island_size
+    if h.island is None or n <= 1:
+        dist.all_reduce(flat, group=h.cross)
+        return flat.numel() * flat.element_size()
+    padded = torch.zeros(-(-flat.numel() // n) * n, dtype=flat.dtype, device=flat.device)
+    padded[:flat.numel()] = flat
+    shard = torch.empty(padded.numel() // n, dtype=flat.dtype, device=flat.device)
+    dist.reduce_scatter_tensor(shard, padded, group=h.island)
+    dist.all_reduce(shard, group=h.cross)
+    dist.all_gather_into_tensor(padded, shard, group=h.island)
+    flat.copy_(padded[:flat.numel()])
+    return shard.numel() * shard.element_size()
 
 
 def clip_global_norm(model: nn.Module, max_norm: float, pp_group: dist.ProcessGroup | None, pp_size: int) -> float:

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from bimetal import faults
 from bimetal.errors import UserError
 from bimetal.train import checkpoint
 from bimetal.train.config import TrainConfig
@@ -62,36 +63,47 @@ def _model_args(cfg: TrainConfig) -> Any:
 
 
 class _XvendorMeter:
-    """Cross-vendor communication per step, summed over the job: pp transfers when the pp group is mixed.
+    """Cross-vendor communication per step, summed over the job.
 
-    Bytes come from the transport's own counters (every op on the pp group: activations, gradients, the
-    loss broadcast, the clip all-reduce) when the group is a bimetal transport, else from the pipeline's
-    send ops. Time is this rank's schedule time minus its stage compute, waits for the peer included.
+    Counted: the pp group when it is mixed, and the gradient exchange when the dp group spans vendors.
+    pp bytes come from the transport's own counters when the pp group is a bimetal transport (its sends:
+    activations and gradients), else from the pipeline's send ops; dp bytes are the payload each rank hands
+    to the cross-vendor all-reduce (what the wire carries depends on the transport's algorithm). Time is
+    this rank's schedule time minus its stage compute (waits for the peer included), plus the time of a
+    vendor-spanning gradient average.
     """
 
     def __init__(self, ctx: Any, runner: PipelineRunner | None) -> None:
         name = ctx.my_group_name("pp") if ctx else None
-        self.active = runner is not None and name is not None and ctx.spec(name).kind == "cross-vendor"
+        self.pp = runner is not None and name is not None and ctx.spec(name).kind == "cross-vendor"
+        self.dp = bool(ctx) and ctx.dp_size > 1 and ctx.dp_spans_vendors
+        self.active = self.pp or self.dp
         self.runner, self.ctx = runner, ctx
-        self.counters = getattr(ctx.pp_group, "counters", None) if self.active else None
-        self.source = "transport counters" if self.counters is not None else "pipeline send ops"
+        self.counters = getattr(ctx.pp_group, "counters", None) if self.pp else None
+        parts = (["pp: " + ("transport counters" if self.counters is not None else "pipeline send ops")]
+                 if self.pp else []) + (["dp: all-reduce payload"] if self.dp else [])
+        self.source = "; ".join(parts) or "none"
         self._last = self._sent()
 
     def _sent(self) -> int:
         if self.counters is not None:
             return int(self.counters.snapshot()["bytes_sent"])
-        return self.runner.pipe_stage.sent_bytes if self.runner is not None else 0
+        return self.runner.pipe_stage.sent_bytes if self.runner is not None and self.pp else 0
 
-    def read(self, schedule_s: float) -> tuple[float, int]:
-        """(seconds, bytes) of the last step: this rank's pp time, and the bytes every rank sent."""
-        if not self.active or self.runner is None:
+    def read(self, schedule_s: float, dp_s: float, dp_bytes: int) -> tuple[float, int]:
+        """(seconds, bytes) of the last step: this rank's cross-vendor time, and the bytes every rank sent."""
+        if not self.active:
             return 0.0, 0
-        st = self.runner.pipe_stage
-        sent, self._last = self._sent() - self._last, self._sent()
-        local = torch.tensor([float(sent), max(0.0, schedule_s - st.compute_s)], dtype=torch.float64)
-        st.reset_counters()
-        if self.counters is None:
-            self._last = 0
+        now = self._sent()
+        sent, self._last = now - self._last, now
+        busy = dp_s if self.dp else 0.0
+        if self.runner is not None:
+            st = self.runner.pipe_stage
+            busy += max(0.0, schedule_s - st.compute_s) if self.pp else 0.0
+            st.reset_counters()
+            if self.counters is None:
+                self._last = 0
+        local = torch.tensor([float(sent + (dp_bytes if self.dp else 0)), busy], dtype=torch.float64)
         dist.all_reduce(local)  # world (Gloo, CPU): bytes summed over ranks; time as the mean per rank
         return float(local[1]) / self.ctx.world_size, int(local[0])
 
@@ -154,8 +166,10 @@ def _run(cfg: TrainConfig, ctx: Any, models: Any, args: Any, split: list[int], t
     folder = cfg.checkpoint.folder or f"{cfg.metrics.run_dir}/checkpoints"
     meta = {"family": family, "flavour": cfg.model.flavour, "layers_per_stage": split, "dp": dp_size}
     start = 0
-    path = checkpoint.latest(folder) if cfg.checkpoint.resume else None
-    if cfg.checkpoint.resume and path is None and rank == 0:
+    # A rank restarted by torchrun (--max-restarts) resumes by itself: it loses at most one interval.
+    resume = cfg.checkpoint.resume or not faults.first_attempt()
+    path = checkpoint.latest(folder) if resume else None
+    if resume and path is None and rank == 0:
         print(f"no complete checkpoint in {folder}; starting from step 0", flush=True)
     if path is not None:
         checkpoint.check_meta(path, meta)
@@ -194,7 +208,10 @@ def _run(cfg: TrainConfig, ctx: Any, models: Any, args: Any, split: list[int], t
             for p in model.parameters():
                 if p.grad is not None:
                     p.grad /= cfg.optim.grad_accum
-        average_gradients(model, ctx.dp_group if ctx else None, dp_size)
+        td = time.perf_counter()
+        dp_bytes = average_gradients(model, ctx.dp_group if ctx else None, dp_size,
+                                     ctx.hierarchical if ctx else None)
+        dp_s = time.perf_counter() - td
         norm = clip_global_norm(model, cfg.optim.grad_clip, ctx.pp_group if ctx else None, n_stages)
         lr = opt.param_groups[0]["lr"]
         opt.step()
@@ -203,7 +220,7 @@ def _run(cfg: TrainConfig, ctx: Any, models: Any, args: Any, split: list[int], t
         if dp_size > 1:
             dist.all_reduce(loss_t, group=ctx.dp_group)
             loss_t /= dp_size
-        comm_s, comm_bytes = meter.read(schedule_s)
+        comm_s, comm_bytes = meter.read(schedule_s, dp_s, dp_bytes)
         ntok = cfg.data.batch_size * seq * cfg.optim.grad_accum * dp_size
         metrics.log(step + 1, float(loss_t), ntok, time.perf_counter() - t0, lr, norm, comm_s, comm_bytes)
         every = cfg.checkpoint.every
@@ -211,7 +228,11 @@ def _run(cfg: TrainConfig, ctx: Any, models: Any, args: Any, split: list[int], t
             checkpoint.save(folder, step + 1, checkpoint.training_state(model, opt, stage),
                             {"step": step + 1, "sched": sched.state_dict(), "data": stream.state_dict(),
                              "rng": checkpoint.rng_state()}, meta, rank)
+        faults.after_step(rank, step + 1)  # fault injection for the reliability tests; no-op unless configured
     if cfg.checkpoint.export_hf:
         export_model(model, family, args, split, ctx, cfg.checkpoint.export_hf)
     transport = ctx.spec(ctx.my_group_name("pp")).backend if runner is not None else "none"
-    return metrics.summary(transport, meter.source if meter.active else "none")
+    dp_x = "none"
+    if meter.dp:
+        dp_x = ctx.spec(ctx.my_group_name("dp")).backend + (" (hierarchical)" if ctx.hierarchical else " (flat)")
+    return metrics.summary(transport, meter.source if meter.active else "none", dp_x)

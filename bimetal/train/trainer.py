@@ -146,9 +146,9 @@ def _run(cfg: TrainConfig, ctx: Any, models: Any, args: Any, split: list[int], t
     device = _device()
     amp = _autocast_dtype(cfg.training.dtype, device)
     family = cfg.model.family
-    model = models.build_model(family, args, seed=cfg.model.seed)
-    models.prune_to_stage(model, stage_layer_ids(split, stage), stage == 0, stage == n_stages - 1)
-    model.to(device)
+    # Only this stage's tensors are ever allocated (an 8B model would not fit 8 ranks' host memory whole).
+    model = models.build_stage(family, args, stage_layer_ids(split, stage), stage == 0, stage == n_stages - 1,
+                               device=device, seed=cfg.model.seed)
     opt = build_optimizer(model, cfg.optim)
     sched = build_scheduler(opt, cfg.optim, cfg.training.steps)
     stream = TokenStream(tokens, cfg.data.seq_len, cfg.data.batch_size, dp_rank, dp_size, cfg.training.seed)

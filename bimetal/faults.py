@@ -1,0 +1,49 @@
+"""Fault injection for the reliability tests, driven by environment variables so that a test can set it
+for ranks that a launcher starts (and that a restart then runs without it).
+
+* ``BIMETAL_FAULT_KILL="rank:step"``: that global rank SIGKILLs itself right after finishing that step
+  (only in the first attempt: ``TORCHELASTIC_RESTART_COUNT`` is 0), as a crashed GPU or node would.
+* ``BIMETAL_FAULT_STALL="rank:step:seconds"``: that rank sleeps after the step, as a stalled peer would.
+
+Transport-level faults live with the transports (``CpuForwardProcessGroup.inject_fault("corrupt")``) and
+link faults with the lab (``bimetal.lab.faults``). Nothing here runs unless its variable is set.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+from bimetal.errors import UserError
+
+KILL_ENV = "BIMETAL_FAULT_KILL"
+STALL_ENV = "BIMETAL_FAULT_STALL"
+
+
+def _parse(name: str, parts: int) -> list[float] | None:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        values = [float(p) for p in raw.split(":")]
+    except ValueError:
+        values = []
+    if len(values) != parts:
+        raise UserError(f"{name}={raw!r} is malformed; expected {parts} numbers separated by ':'")
+    return values
+
+
+def first_attempt() -> bool:
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) == 0
+
+
+def after_step(rank: int, step: int) -> None:
+    """Called by the trainer after every completed step (cheap when no fault is configured)."""
+    kill = _parse(KILL_ENV, 2)
+    if kill and int(kill[0]) == rank and int(kill[1]) == step and first_attempt():
+        print(f"bimetal fault injection: rank {rank} kills itself after step {step}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    stall = _parse(STALL_ENV, 3)
+    if stall and int(stall[0]) == rank and int(stall[1]) == step and first_attempt():
+        time.sleep(stall[2])

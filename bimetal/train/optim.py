@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from bimetal.comm.hierarchical import hierarchical_all_reduce
 from bimetal.train.config import OptimConfig
 
 
@@ -73,18 +74,9 @@ def average_gradients(model: nn.Module, group: dist.ProcessGroup | None, size: i
 
 def _hierarchical_sum(flat: torch.Tensor, h: Any) -> int:
     """Sum ``flat`` over every rank of a vendor-spanning dp group, in place; returns the cross-island bytes."""
-    n = h.island_size
-    if h.island is None or n <= 1:
-        dist.all_reduce(flat, group=h.cross)
-        return flat.numel() * flat.element_size()
-    padded = torch.zeros(-(-flat.numel() // n) * n, dtype=flat.dtype, device=flat.device)
-    padded[:flat.numel()] = flat
-    shard = torch.empty(padded.numel() // n, dtype=flat.dtype, device=flat.device)
-    dist.reduce_scatter_tensor(shard, padded, group=h.island)
-    dist.all_reduce(shard, group=h.cross)
-    dist.all_gather_into_tensor(padded, shard, group=h.island)
-    flat.copy_(padded[:flat.numel()])
-    return shard.numel() * shard.element_size()
+    hierarchical_all_reduce(flat, h.island if h.island_size > 1 else None, h.cross, "sum")
+    shard = -(-flat.numel() // max(1, h.island_size)) if h.island is not None else flat.numel()
+    return shard * flat.element_size()
 
 
 def clip_global_norm(model: nn.Module, max_norm: float, pp_group: dist.ProcessGroup | None, pp_size: int) -> float:

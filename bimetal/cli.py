@@ -10,7 +10,7 @@ import importlib
 import sys
 from collections.abc import Callable
 
-from bimetal.errors import UserError
+from bimetal.errors import JobAborted, UserError
 
 # command -> (module, function, one-line help). Each function takes argv and returns an exit status.
 COMMANDS: dict[str, tuple[str, str, str]] = {
@@ -63,6 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"bimetal {command}: {exc}", file=sys.stderr)
         return 2
+    except JobAborted as exc:
+        print(f"bimetal {command}: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(f"bimetal {command}: interrupted", file=sys.stderr)
         return 130

@@ -112,6 +112,22 @@ def _world_backend(vendor: str) -> str:
     return "cpu:gloo"
 
 
+def _init_world(backend: str, timeout: timedelta) -> None:
+    """``init_process_group`` on a store whose keys are private to this torchrun attempt.
+
+    torchrun (2.13, ``--standalone`` and c10d rendezvous) hands a restarted job the same agent store, which
+    still holds the Gloo addresses of the attempt that died; a plain ``init_process_group`` then connects to
+    dead ports and times out. Prefixing the store with the restart count gives every attempt fresh keys.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or "MASTER_ADDR" not in os.environ:
+        dist.init_process_group(backend=backend, timeout=timeout)
+        return
+    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+    store = dist.PrefixStore(f"bimetal/attempt_{attempt}", store)
+    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=timeout)
+
+
 def init_parallel(
     dims: ParallelDims,
     transports: dict[str, str] | None = None,
@@ -123,7 +139,7 @@ def init_parallel(
     rank = int(os.environ.get("RANK", "0")) if owns_world else dist.get_rank()
     vendor = detect_vendor(rank)
     if owns_world:
-        dist.init_process_group(backend=_world_backend(vendor), timeout=timeout)
+        _init_world(_world_backend(vendor), timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
     store = dist.distributed_c10d._get_default_store()
     view = exchange_topology(store, rank, world, timeout)

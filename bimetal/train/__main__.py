@@ -2,7 +2,7 @@
 
 import sys
 
-from bimetal.errors import UserError
+from bimetal.errors import JobAborted, UserError
 from bimetal.train.cli import main
 
 try:
@@ -10,3 +10,6 @@ try:
 except UserError as e:
     print(f"bimetal train: {e}", file=sys.stderr)
     sys.exit(2)
+except JobAborted as e:
+    print(f"bimetal train: {e}", file=sys.stderr)
+    sys.exit(1)

@@ -9,7 +9,10 @@ same microbatch split, so the two agree to float32 rounding.
 from __future__ import annotations
 
 import os
+import re
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -18,7 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from bimetal import faults
-from bimetal.errors import UserError
+from bimetal.errors import JobAborted, UserError
 from bimetal.train import checkpoint
 from bimetal.train.config import TrainConfig
 from bimetal.train.data import TokenStream, load_tokens
@@ -31,6 +34,25 @@ from bimetal.train.tokenizer import build_tokenizer
 
 def _loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+@contextmanager
+def _during(rank: int, step: int, phase: str, group: str | None) -> Iterator[None]:
+    """Turn a failure of ``phase`` of a step into one sentence naming the rank, step, phase and group.
+
+    Every error a transport or collective raises is a ``RuntimeError`` (bimetal's ``TransportError``, torch's
+    ``DistError`` and Gloo's own); its first line already names the operation and, for bimetal transports,
+    the peer and sequence number. ``BIMETAL_TRACEBACK=1`` keeps the traceback for debugging.
+    """
+    try:
+        yield
+    except RuntimeError as exc:
+        if os.environ.get("BIMETAL_TRACEBACK") == "1":
+            raise
+        where = f" on group {group!r}" if group else ""
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        reason = re.sub(r"\[[^\]\s]*\.(?:cc|cpp|h):\d+\]\s*", "", reason)  # Gloo's source locations
+        raise JobAborted(f"rank {rank} stopped in step {step} during the {phase}{where}: {reason}") from exc
 
 
 def _device() -> torch.device:
@@ -187,6 +209,8 @@ def _run(cfg: TrainConfig, ctx: Any, models: Any, args: Any, split: list[int], t
     metrics = StepMetrics(cfg.metrics.run_dir, rank, float(args.flops_per_token(seq)), cluster_peak_flops(devices),
                           cfg.metrics.log_every, cfg.metrics.tensorboard, fresh=start == 0)
     meter = _XvendorMeter(ctx, runner)
+    pp_name = ctx.my_group_name("pp") if ctx else None
+    dp_name = ctx.my_group_name("dp") if ctx else None
     for step in range(start, cfg.training.steps):
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
@@ -196,7 +220,8 @@ def _run(cfg: TrainConfig, ctx: Any, models: Any, args: Any, split: list[int], t
             x, y = (t.to(device) for t in stream.next_batch())
             if runner is not None:
                 ts = time.perf_counter()
-                loss_sum += runner.step(x if stage == 0 else None, y if stage == n_stages - 1 else None)
+                with _during(rank, step + 1, "pipeline schedule", pp_name):
+                    loss_sum += runner.step(x if stage == 0 else None, y if stage == n_stages - 1 else None)
                 schedule_s += time.perf_counter() - ts
             else:
                 # Same microbatch split and mean as the pipeline schedule, so both paths agree numerically.
@@ -209,16 +234,19 @@ def _run(cfg: TrainConfig, ctx: Any, models: Any, args: Any, split: list[int], t
                 if p.grad is not None:
                     p.grad /= cfg.optim.grad_accum
         td = time.perf_counter()
-        dp_bytes = average_gradients(model, ctx.dp_group if ctx else None, dp_size,
-                                     ctx.hierarchical if ctx else None)
+        with _during(rank, step + 1, "gradient all-reduce", dp_name):
+            dp_bytes = average_gradients(model, ctx.dp_group if ctx else None, dp_size,
+                                         ctx.hierarchical if ctx else None)
         dp_s = time.perf_counter() - td
-        norm = clip_global_norm(model, cfg.optim.grad_clip, ctx.pp_group if ctx else None, n_stages)
+        with _during(rank, step + 1, "global gradient norm", pp_name):
+            norm = clip_global_norm(model, cfg.optim.grad_clip, ctx.pp_group if ctx else None, n_stages)
         lr = opt.param_groups[0]["lr"]
         opt.step()
         sched.step()
         loss_t = (loss_sum / cfg.optim.grad_accum).reshape(1)
         if dp_size > 1:
-            dist.all_reduce(loss_t, group=ctx.dp_group)
+            with _during(rank, step + 1, "loss all-reduce", dp_name):
+                dist.all_reduce(loss_t, group=ctx.dp_group)
             loss_t /= dp_size
         comm_s, comm_bytes = meter.read(schedule_s, dp_s, dp_bytes)
         ntok = cfg.data.batch_size * seq * cfg.optim.grad_accum * dp_size

@@ -1,0 +1,114 @@
+"""Training under faults: a rank SIGKILLed or stalled mid-training.
+
+* With ``--max-restarts`` torchrun restarts the job, every rank resumes from the newest complete
+  checkpoint by itself, and the loss at the final step equals that of an uninterrupted run.
+* Without restarts, every surviving rank stops within the timeout plus 30 s with one sentence naming its
+  step, the phase and the group (and, on bimetal transports, the peer and sequence number); none hangs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.timeout(240)
+STEPS = 10
+TIMEOUT_S = 10
+COMMON = ["--config", str(ROOT / "configs" / "demo.toml"), f"--training.steps={STEPS}", "--data.seq_len=64",
+          "--metrics.log_every=1", f"--parallel.timeout_s={TIMEOUT_S}"]
+
+
+def _env(extra: dict[str, str]) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("BIMETAL_FAULT", "TORCHELASTIC")) and k not in (
+               "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "BIMETAL_SIMULATE")}
+    env.update(extra, OMP_NUM_THREADS="1")
+    return env
+
+
+def _train(run_dir: Path, extra_env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "bimetal.cli", "train", *COMMON, "--simulate", "nvidia:2,amd:2",
+           "--checkpoint.every=4", f"--metrics.run_dir={run_dir}", *args]
+    return subprocess.run(cmd, env=_env(extra_env), capture_output=True, text=True, timeout=200, cwd=ROOT)
+
+
+def _loss_at(run_dir: Path, step: int) -> float:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [r["loss"] for r in rows if r["step"] == step][-1]
+
+
+def test_killed_rank_restarts_and_reaches_the_same_final_loss(tmp_path: Path) -> None:
+    ref = _train(tmp_path / "ref", {})
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    # rank 3 (AMD, last stage) dies after step 6; the checkpoint of step 4 is the newest complete one
+    hurt = _train(tmp_path / "hurt", {"BIMETAL_FAULT_KILL": "3:6"}, "--max-restarts=1")
+    out = hurt.stdout + hurt.stderr
+    assert hurt.returncode == 0, out[-3000:]
+    assert "rank 3 kills itself after step 6" in out
+    assert "resumed from" in out and "step-000004 at step 4" in out, out[-3000:]
+    assert _loss_at(tmp_path / "hurt", STEPS) == pytest.approx(_loss_at(tmp_path / "ref", STEPS), rel=1e-5)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_ranks(run_dir: Path, fault: dict[str, str]) -> list[subprocess.Popen]:
+    """The four ranks as plain processes (no torchrun agent, which would SIGTERM the survivors at once)."""
+    base = _env({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "4",
+                 "LOCAL_WORLD_SIZE": "4", "BIMETAL_SIMULATE": "nvidia:2,amd:2", **fault})
+    procs = []
+    for r in range(4):
+        env = dict(base, RANK=str(r), LOCAL_RANK=str(r))
+        procs.append(subprocess.Popen([sys.executable, "-m", "bimetal.train", *COMMON, f"--metrics.run_dir={run_dir}"],
+                                      env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    return procs
+
+
+def _survivors_stop(procs: list[subprocess.Popen], victim: int, started: float) -> dict[int, str]:
+    """Wait for every rank but ``victim``; each must exit non-zero in time with a one-sentence reason."""
+    errors = {}
+    try:
+        for r, p in enumerate(procs):
+            if r == victim:
+                continue
+            _, err = p.communicate(timeout=200)
+            waited = time.monotonic() - started
+            assert p.returncode == 1, f"rank {r} exited {p.returncode}: {err[-2000:]}"
+            # the fault comes after start-up and 3 steps (~5 s here); 15 s of margin for a loaded machine
+            assert waited < TIMEOUT_S + 30 + 15, f"rank {r} took {waited:.0f} s after the start"
+            assert "Traceback" not in err, err[-2000:]
+            errors[r] = err.strip().splitlines()[-1]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    return errors
+
+
+def test_killed_rank_without_restarts_stops_every_survivor_with_a_reason(tmp_path: Path) -> None:
+    t0 = time.monotonic()
+    errors = _survivors_stop(_start_ranks(tmp_path / "run", {"BIMETAL_FAULT_KILL": "3:3"}), 3, t0)
+    for r, line in errors.items():
+        assert line.startswith(f"bimetal train: rank {r} stopped in step 4 during the "), line
+        assert "on group '" in line, line
+    # rank 1 is rank 3's pipeline peer over cpu-forward: its sentence names that group, the op and the peer
+    assert "group 'pp.dp1'" in errors[1] and "with peer 3" in errors[1], errors[1]
+
+
+def test_stalled_rank_stops_every_survivor_within_the_timeout(tmp_path: Path) -> None:
+    t0 = time.monotonic()
+    errors = _survivors_stop(_start_ranks(tmp_path / "run", {"BIMETAL_FAULT_STALL": "3:3:300"}), 3, t0)
+    assert "did not complete within 10 s" in errors[1] and "with peer 3" in errors[1], errors[1]
+    for r, line in errors.items():
+        assert f"rank {r} stopped in step 4" in line, line

@@ -47,8 +47,8 @@ def _transport_missing(name: str) -> str | None:
 
 
 # (transport, schedule) rows: cpu-forward with the demo's 1F1B, device-direct with GPipe, so each transport
-# and each schedule runs the whole loop. Plain Gloo stands in for cpu-forward only when that is missing.
-SCENARIOS = [("cpu-forward", "1f1b"), ("device-direct", "gpipe"), ("gloo", "1f1b")]
+# and each schedule runs the whole loop.
+SCENARIOS = [("cpu-forward", "1f1b"), ("device-direct", "gpipe")]
 
 
 def _train(run_dir: Path, *args: str, simulate: bool = False) -> subprocess.CompletedProcess:
@@ -66,10 +66,14 @@ def _weights(run_dir: Path, step: int = 20) -> dict[str, torch.Tensor]:
     """Model weights of a saved step, every stage merged under the whole model's parameter names."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    out = run_dir / f"weights-{step}.pt"
-    dcp_to_torch_save(str(run_dir / "checkpoints" / f"step-{step:06d}"), str(out))
-    saved = torch.load(out, weights_only=False)  # our own file; holds optimizer param groups too
-    return {name: t for part in saved.values() for name, t in part["model"].items()}
+    weights = {}
+    for stage_dir in sorted((run_dir / "checkpoints" / f"step-{step:06d}").glob("stage*")):
+        out = run_dir / f"weights-{step}-{stage_dir.name}.pt"
+        dcp_to_torch_save(str(stage_dir), str(out))
+        saved = torch.load(out, weights_only=False)  # our own file; holds optimizer param groups too
+        weights.update({name: t for part in saved.values() for name, t in part["model"].items()})
+    assert weights, f"no stage checkpoint under {run_dir}"
+    return weights
 
 
 @pytest.fixture(scope="module")
@@ -83,8 +87,6 @@ def single(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module", params=SCENARIOS, ids=[f"{t}-{s}" for t, s in SCENARIOS])
 def pipelined(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, str]:
     transport, schedule = request.param
-    if transport == "gloo" and _transport_missing("cpu-forward") is None:
-        pytest.skip("Gloo is only the stand-in while cpu-forward is missing")
     if (why := _transport_missing(transport)) is not None:
         pytest.skip(f"transport {transport} not testable: {why}")
     run = tmp_path_factory.mktemp(f"pp-{transport}") / "run"
@@ -108,7 +110,7 @@ def test_pipeline_matches_single_process(single: Path, pipelined: tuple[str, Pat
     # The group table shows cross-vendor pipeline groups on the transport asked for; the summary counts at
     # least the pipeline payload - 2 groups x 4 microbatches x (activation + gradient) of 2xSEQx128 floats,
     # 20 steps - and, from a bimetal transport's own counters, little more (loss broadcast, clip all-reduce).
-    backend = {"cpu-forward": "bimetal_cpu_forward", "device-direct": "bimetal_device_direct"}.get(transport, "gloo")
+    backend = {"cpu-forward": "bimetal_cpu_forward", "device-direct": "bimetal_device_direct"}[transport]
     assert any(line.startswith("pp.dp0") and "cross-vendor" in line and backend in line for line in
                stdout.splitlines()), stdout
     # The HF export gathers both stages into one model: exactly the weights of the final checkpoint.
@@ -119,15 +121,13 @@ def test_pipeline_matches_single_process(single: Path, pipelined: tuple[str, Pat
     summary = json.loads((run / "summary.json").read_text())
     payload = 20 * 2 * 4 * 2 * (2 * SEQ * 128 * 4)
     assert payload <= summary["xvendor_bytes"] <= payload + 20 * 4096 and summary["pp_transport"] == backend
-    want_source = "pp: " + ("pipeline send ops" if transport == "gloo" else "transport counters")
-    assert summary["xvendor_source"] == want_source
+    assert summary["xvendor_source"] == "pp: transport counters"
 
 
 def test_resume_after_step_10_is_identical(pipelined: tuple[str, Path, str], tmp_path: Path) -> None:
     transport, run, _ = pipelined
     if transport == "device-direct":
-        pytest.skip("resume is checked once, on the cpu-forward (or stand-in Gloo) row; it does not depend on the"
-                    " transport")
+        pytest.skip("resume is checked once, on the cpu-forward row; it does not depend on the transport")
     resumed = tmp_path / "run"
     (resumed / "checkpoints").mkdir(parents=True)
     shutil.copytree(run / "checkpoints" / "step-000010", resumed / "checkpoints" / "step-000010")

@@ -1,7 +1,10 @@
 """Atomic checkpoints with ``torch.distributed.checkpoint``.
 
-Layout: ``<folder>/step-000010/`` holds the DCP shards of every rank plus ``meta.json`` (step, model
-family/flavour, layout) and, written last by rank 0 after a barrier, ``COMPLETE``. A folder without
+Layout: ``<folder>/step-000010/`` holds one DCP checkpoint per pipeline stage (``stage0/``, ``stage1/``, written
+by the stage's first dp replica; the other replicas hold the same tensors) plus ``meta.json`` (step, model
+family/flavour, layout) and, written last by rank 0 after a barrier, ``COMPLETE``. Each stage is saved and
+loaded with ``no_dist=True``: DCP's collective planning exchanges pickled objects between ranks, and no
+bimetal network path unpickles anything; the only traffic here is tensor barriers. A folder without
 ``COMPLETE`` is a half-written save and is never loaded. Everything is written into ``.tmp-step-N`` first and
 renamed once all ranks are done, so a crash leaves at most a temp folder that the next save replaces.
 Per-rank state that is not a tensor (data position, RNG) goes into ``extra-rank<R>.json``: JSON, not pickle.
@@ -56,11 +59,11 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save(folder: str | Path, step: int, state: dict[str, Any], extra: dict[str, Any], meta: dict[str, Any],
-         rank: int = 0, group: dist.ProcessGroup | None = None) -> Path:
+         rank: int = 0, group: dist.ProcessGroup | None = None, shard: str = "stage0", writer: bool = True) -> Path:
     """Save ``state`` (tensors: model, optimizer) with DCP and ``extra`` (JSON) for this rank; returns the folder.
 
-    Every rank calls this; ``group`` is the group spanning all ranks (None = world). State keys must be unique
-    across ranks that hold different tensors (e.g. prefix by stage), since DCP merges them into one store.
+    Every rank calls this; ``group`` is the group spanning all ranks (None = world). ``shard`` names this
+    rank's part (its stage) and ``writer`` says whether this rank writes it (one replica per stage does).
     """
     root = Path(folder)
     final, tmp = root / f"step-{step:06d}", root / f".tmp-step-{step:06d}"
@@ -68,7 +71,8 @@ def save(folder: str | Path, step: int, state: dict[str, Any], extra: dict[str, 
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier(group)
-    dcp.save(state, checkpoint_id=str(tmp), process_group=group)
+    if writer:
+        dcp.save(state, checkpoint_id=str(tmp / shard), no_dist=True)
     (tmp / f"extra-rank{rank}.json").write_text(json.dumps(extra))
     _barrier(group)
     if rank == 0:
@@ -99,7 +103,9 @@ def check_meta(path: Path, meta: dict[str, Any]) -> dict[str, Any]:
     return saved
 
 
-def load(path: Path, state: dict[str, Any], rank: int, group: dist.ProcessGroup | None = None) -> dict[str, Any]:
-    """Load tensors into ``state`` in place and return this rank's JSON extra."""
-    dcp.load(state, checkpoint_id=str(path), process_group=group)
+def load(path: Path, state: dict[str, Any], rank: int, shard: str = "stage0") -> dict[str, Any]:
+    """Load this rank's part (``shard``) into ``state`` in place and return this rank's JSON extra."""
+    if not (path / shard).is_dir():
+        raise UserError(f"checkpoint {path} has no {shard}/ part; it was written for another layout or is damaged.")
+    dcp.load(state, checkpoint_id=str(path / shard), no_dist=True)
     return json.loads((path / f"extra-rank{rank}.json").read_text())

@@ -196,7 +196,7 @@ def _run(cfg: TrainConfig, ctx: Any, models: Any, args: Any, split: list[int], t
     if path is not None:
         checkpoint.check_meta(path, meta)
         state = checkpoint.training_state(model, opt, stage)
-        extra = checkpoint.load(path, state, rank)
+        extra = checkpoint.load(path, state, rank, shard=f"stage{stage}")
         checkpoint.apply_training_state(model, opt, stage, state)
         sched.load_state_dict(extra["sched"])
         stream.load_state_dict(extra["data"])
@@ -255,7 +255,7 @@ def _run(cfg: TrainConfig, ctx: Any, models: Any, args: Any, split: list[int], t
         if (every and (step + 1) % every == 0) or step + 1 == cfg.training.steps:
             checkpoint.save(folder, step + 1, checkpoint.training_state(model, opt, stage),
                             {"step": step + 1, "sched": sched.state_dict(), "data": stream.state_dict(),
-                             "rng": checkpoint.rng_state()}, meta, rank)
+                             "rng": checkpoint.rng_state()}, meta, rank, shard=f"stage{stage}", writer=dp_rank == 0)
         faults.after_step(rank, step + 1)  # fault injection for the reliability tests; no-op unless configured
     if cfg.checkpoint.export_hf:
         export_model(model, family, args, split, ctx, cfg.checkpoint.export_hf)

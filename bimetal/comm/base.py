@@ -231,7 +231,9 @@ class BimetalProcessGroup(dist.ProcessGroup):
             except (RuntimeError, ValueError, KeyError, TypeError):
                 notes.append(f"rank {self.global_rank(r)} did not report (dead, or busy outside this group)")
                 continue
-            if (peer_op, peer_seq) != (op.op, op.seq):
+            if {peer_op, op.op} == {"send", "recv"}:  # the two ends of point-to-point traffic
+                notes.append(f"rank {self.global_rank(r)} is in {peer_op} #{peer_seq}")
+            elif (peer_op, peer_seq) != (op.op, op.seq):
                 notes.append(f"desync: rank {self.global_rank(r)} is in {peer_op} #{peer_seq}")
             else:
                 notes.append(f"rank {self.global_rank(r)} is in the same {peer_op} #{peer_seq}")

@@ -24,6 +24,7 @@ ENV_STRIPES = "BIMETAL_CF_STRIPES"
 ENV_IFACES = "BIMETAL_CF_IFACES"
 ENV_CHUNK = "BIMETAL_CF_CHUNK_BYTES"
 ENV_POOL = "BIMETAL_CF_POOL_BUFFERS"
+ENV_STALL = "BIMETAL_CF_STALL_S"
 
 DEFAULT_CHUNK_BYTES = 4 * 2**20
 
@@ -42,6 +43,10 @@ class CpuForwardOptions:
     """Pinned staging buffers per chunk size (``BIMETAL_CF_POOL_BUFFERS``); 0: 8."""
     local_rank: int | None = None
     """Used to pick this rank's NIC; None: ``$LOCAL_RANK``."""
+    stall_timeout_s: float = 0.0
+    """Seconds without progress after which one stripe of a point-to-point transfer counts as stalled: its
+    chunks are re-sent on the other stripes and the stripe is left for good (``BIMETAL_CF_STALL_S``);
+    0: min(10 s, group timeout / 3). Must exceed two chunks' time on the slowest link."""
 
     def resolved(self) -> CpuForwardOptions:
         env = os.environ
@@ -49,13 +54,18 @@ class CpuForwardOptions:
         stripes = self.stripes or _int_env(ENV_STRIPES, 0) or len(ifaces) or 1
         chunk = self.chunk_bytes or _int_env(ENV_CHUNK, DEFAULT_CHUNK_BYTES)
         pool = self.pool_buffers or _int_env(ENV_POOL, 8)
-        if stripes < 1 or chunk < 1024 or pool < 2:
-            raise UserError(f"cpu-forward options out of range: stripes={stripes} (>= 1), chunk_bytes={chunk} "
-                            f"(>= 1024), pool_buffers={pool} (>= 2)")
+        stall = self.stall_timeout_s or _float_env(ENV_STALL, 0.0)
+        if not 1 <= stripes <= 62 or chunk < 1024 or pool < 2 or stall < 0:
+            raise UserError(f"cpu-forward options out of range: stripes={stripes} (1..62), chunk_bytes={chunk} "
+                            f"(>= 1024), pool_buffers={pool} (>= 2), stall_timeout_s={stall:g} (>= 0)")
         if ifaces and len(ifaces) < stripes:
             ifaces = [ifaces[i % len(ifaces)] for i in range(stripes)]
         local = self.local_rank if self.local_rank is not None else int(env.get("LOCAL_RANK", "0"))
-        return CpuForwardOptions(stripes, ifaces[:stripes], chunk, pool, local)
+        return CpuForwardOptions(stripes, ifaces[:stripes], chunk, pool, local, stall)
+
+    def stall_seconds(self, timeout: timedelta) -> float:
+        """The stripe-stall timeout of a group with op timeout ``timeout``."""
+        return self.stall_timeout_s or min(10.0, timeout.total_seconds() / 3)
 
 
 def _int_env(name: str, default: int) -> int:
@@ -66,6 +76,16 @@ def _int_env(name: str, default: int) -> int:
         return int(raw)
     except ValueError:
         raise UserError(f"{name}={raw!r} is not an integer; set it to a whole number") from None
+
+
+def _float_env(name: str, default: float) -> float:
+    raw = os.environ.get(name, "")
+    if not raw:
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise UserError(f"{name}={raw!r} is not a number; set it to seconds, e.g. 5") from None
 
 
 def choose_interfaces(opts: CpuForwardOptions) -> list[str | None]:

@@ -4,8 +4,10 @@ Registered as ``bimetal_cpu_forward`` (``bimetal.comm.registry``). Options: pass
 ``CpuForwardOptions`` as ``pg_options`` to ``dist.new_group``, or set the environment variables
 ``BIMETAL_CF_STRIPES`` (Gloo contexts per group), ``BIMETAL_CF_IFACES`` (comma-separated interface per
 stripe), ``BIMETAL_CF_CHUNK_BYTES`` (pipelining chunk, default 4 MiB), ``BIMETAL_CF_POOL_BUFFERS``
-(pinned buffers per chunk size, default 8) and ``BIMETAL_CF_CHECKSUM=1`` (CRC32 on point-to-point
-messages; a mismatch fails the receive instead of training on corrupted data).
+(pinned buffers per chunk size, default 8), ``BIMETAL_CF_CHECKSUM=1`` (CRC32 on point-to-point
+messages; a mismatch fails the receive instead of training on corrupted data) and ``BIMETAL_CF_STALL_S``
+(seconds without progress before one stripe of a point-to-point transfer is left and its chunks re-sent on
+the others; default min(10, timeout / 3); see ``failover``).
 """
 
 from __future__ import annotations

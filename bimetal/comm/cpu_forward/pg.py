@@ -10,6 +10,10 @@ Device tensors are staged chunk by chunk through pinned buffers from a pool (see
 the device-to-host copies of all chunks are queued on a side stream with one event each, and chunk i is
 posted to Gloo as soon as its event fires, while later chunks are still copying; for a receive, chunk i is
 copied to the device while chunk i+1 is still arriving. CPU tensors go to Gloo as they are.
+
+With more than one stripe, point-to-point transfers run through ``failover.Transfer``: a stripe that stalls
+or fails mid-message is left for good and its chunks are re-sent on the others; the send completes when the
+receiver confirms. Collectives do not fail over: on a degraded stripe they fail with an error saying so.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from bimetal.comm.base import (
     check_dtype,
     make_work,
 )
+from bimetal.comm.cpu_forward.failover import StripeSet, Transfer, Waiter
 from bimetal.comm.staging import CopyStreams, PinnedPool, copy_to_device, copy_to_host, is_device
 from bimetal.comm.striping import CpuForwardOptions, chunk_plan
 
@@ -118,6 +123,10 @@ class CpuForwardProcessGroup(BimetalProcessGroup):
         self._workers_lock = threading.Lock()
         self._stripe_turn: dict[tuple[str, int], int] = {}
         self._fault: str | None = None
+        self.links = StripeSet(self.stripes, self.interfaces)
+        """Which stripes still work; with K > 1, point-to-point transfers fail over (``failover.py``)."""
+        self.stall_s = options.stall_seconds(timeout)
+        self._waiters: dict[Any, list[Waiter]] = {}
 
     # --- plumbing ------------------------------------------------------------------------------------
     def _worker(self, key: Any) -> _Worker:
@@ -140,15 +149,19 @@ class CpuForwardProcessGroup(BimetalProcessGroup):
         self._worker(key).submit(job)
         return make_work(fut)
 
-    def _first_stripe(self, direction: str, peer: int) -> int:
-        # k-th send to a peer pairs with its k-th receive from us: both sides rotate the same way.
+    def _turn(self, direction: str, peer: int) -> int:
+        # k-th send to a peer pairs with its k-th receive from us: both sides count (and rotate) the same way.
         key = (direction, peer)
         turn = self._stripe_turn.get(key, 0)
         self._stripe_turn[key] = turn + 1
-        return turn % len(self.stripes)
+        return turn
 
-    def inject_fault(self, kind: str | None) -> None:
-        """Test hook: ``"corrupt"`` flips one byte of the next message sent (after its checksum)."""
+    def inject_fault(self, kind: str | None, stripe: int = 0, after: int = 0) -> None:
+        """Test hook: ``"corrupt"`` flips one byte of the next message sent (after its checksum);
+        ``"stall"`` makes ``stripe`` of this rank stall after ``after`` more ops (nothing posted, nothing done)."""
+        if kind == "stall":
+            self.links.stall_after(stripe, after)
+            return
         self._fault = kind
 
     # --- point to point ------------------------------------------------------------------------------
@@ -156,7 +169,10 @@ class CpuForwardProcessGroup(BimetalProcessGroup):
         (tensor,) = tensors
         op = self._begin("send", dst)
         check_dtype(op, tensor)
-        first = self._first_stripe("send", dst)
+        turn = self._turn("send", dst)
+        first = turn % len(self.stripes)
+        if len(self.stripes) > 1:
+            return self._submit(("send", dst), op, lambda d: self._send_failover(tensor, dst, tag, turn, d))
         if is_device(tensor):
             return self._submit(("send", dst), op, lambda d: self._send_staged(tensor, dst, tag, first, d))
         flat = tensor.detach().reshape(-1) if tensor.is_contiguous() else tensor.detach().contiguous().view(-1)
@@ -166,7 +182,10 @@ class CpuForwardProcessGroup(BimetalProcessGroup):
         (tensor,) = tensors
         op = self._begin("recv", src)
         check_dtype(op, tensor)
-        first = self._first_stripe("recv", src)
+        turn = self._turn("recv", src)
+        first = turn % len(self.stripes)
+        if len(self.stripes) > 1:
+            return self._submit(("recv", src), op, lambda d: self._recv_failover(tensor, src, tag, turn, d))
         if is_device(tensor):
             return self._submit(("recv", src), op, lambda d: self._recv_staged(tensor, src, tag, first, d))
         return self._submit(("recv", src), op, lambda d: self._recv_host(tensor, src, tag, first, d))
@@ -177,6 +196,65 @@ class CpuForwardProcessGroup(BimetalProcessGroup):
     def _plan(self, numel: int, esize: int, first: int) -> list[tuple[int, int, int]]:
         return chunk_plan(numel, esize, self.options.chunk_bytes, len(self.stripes), first)
 
+    # --- K > 1: failover (failover.py) ---------------------------------------------------------------
+    def _transfer(self, key: tuple[str, int], peer: int, tag: int, turn: int, chunks: int, d: _Deadline,
+                  window: int) -> Transfer:
+        with self._workers_lock:
+            if key not in self._waiters:
+                self._waiters[key] = [Waiter(f"bimetal-cf-{self.description}-{key}-s{s}")
+                                      for s in range(len(self.stripes))]
+        return Transfer(self.links, self._waiters[key], peer, self.global_rank(peer), tag, turn,
+                        turn % len(self.stripes), chunks, d, self.stall_s, window)
+
+    def _send_failover(self, tensor: torch.Tensor, dst: int, tag: int, turn: int, d: _Deadline) -> None:
+        flat = tensor.detach().reshape(-1) if tensor.is_contiguous() else tensor.detach().contiguous().view(-1)
+        if is_device(flat):
+            ranges = [(a, b) for a, b, _ in self._plan(flat.numel(), flat.element_size(), 0)]
+            io: Any = _StagedSend(flat, ranges, self.pool, self._streams.pair(flat.device)[0], self.timeout)
+            window = max(1, self.options.pool_buffers // 2)
+            self._transfer(("send", dst), dst, tag, turn, len(ranges), d, window).send(io)
+            self.counters.add(bytes_sent=flat.numel() * flat.element_size(),
+                              bytes_staged=flat.numel() * flat.element_size())
+            return
+        data = flat.view(torch.uint8) if flat.dtype == torch.bool else flat
+        crc = self._crc(data) if self.checksum else None
+        if self._fault == "corrupt" and data.numel():
+            data = data.clone()
+            data.view(torch.uint8)[0] ^= 0xFF
+            self._fault = None
+        ranges = [(a, b) for a, b, _ in self._plan(data.numel(), data.element_size(), 0)]
+        io = _HostChunks(data, ranges, crc)
+        self._transfer(("send", dst), dst, tag, turn, len(io), d, len(io)).send(io)
+        self.counters.add(bytes_sent=data.numel() * data.element_size(),
+                          bytes_direct=data.numel() * data.element_size())
+
+    def _recv_failover(self, tensor: torch.Tensor, src: int, tag: int, turn: int, d: _Deadline) -> None:
+        if is_device(tensor):
+            out = tensor.view(-1) if tensor.is_contiguous() else torch.empty_like(tensor).view(-1)
+            ranges = [(a, b) for a, b, _ in self._plan(out.numel(), out.element_size(), 0)]
+            staged = _StagedRecv(out, ranges, self.pool, self._streams.pair(out.device)[1], self.timeout,
+                                 max(1, self.options.pool_buffers // 2))
+            self._transfer(("recv", src), src, tag, turn, len(ranges), d, staged.depth).recv(staged)
+            staged.finish()
+            if not tensor.is_contiguous():
+                tensor.copy_(out.view(tensor.shape))
+            nbytes = out.numel() * out.element_size()
+            self.counters.add(bytes_received=nbytes, bytes_staged=nbytes)
+            return
+        direct = tensor.is_contiguous()
+        target = tensor.view(-1) if direct else torch.empty(tensor.numel(), dtype=tensor.dtype)
+        data = target.view(torch.uint8) if target.dtype == torch.bool else target
+        ranges = [(a, b) for a, b, _ in self._plan(data.numel(), data.element_size(), 0)]
+        crc = torch.zeros(1, dtype=torch.int64) if self.checksum else None
+        io = _HostChunks(data, ranges, crc)
+        verify = (lambda: int(crc.item()) == int(self._crc(data).item())) if crc is not None else None
+        self._transfer(("recv", src), src, tag, turn, len(io), d, len(io)).recv(io, verify)
+        if not direct:
+            tensor.copy_(target.view(tensor.shape))
+        self.counters.add(bytes_received=data.numel() * data.element_size(),
+                          bytes_direct=data.numel() * data.element_size())
+
+    # --- K = 1 -----------------------------------------------------------------------------------------
     def _send_host(self, flat: torch.Tensor, dst: int, tag: int, first: int, d: _Deadline) -> None:
         data = flat.view(torch.uint8) if flat.dtype == torch.bool else flat
         crc = self._crc(data) if self.checksum else None
@@ -319,6 +397,14 @@ class CpuForwardProcessGroup(BimetalProcessGroup):
 
         return self._submit("collective", op, body)
 
+    def _cstripe(self, i: int) -> Any:
+        """Stripe ``i`` for a collective; collectives do not fail over, so a degraded stripe is an error."""
+        if self.links.is_dead(i):
+            raise RuntimeError(f"stripe {i} (interface {self.interfaces[i] or 'default'}) of this group is degraded "
+                               f"after a link fault ({self.links.dead.get(i)}); collectives do not fail over, only "
+                               "point-to-point transfers do")
+        return self.stripes[i]
+
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:  # type: ignore[override]
         opts = opts or AllreduceOptions()
 
@@ -330,7 +416,7 @@ class CpuForwardProcessGroup(BimetalProcessGroup):
                 for i, part in enumerate(parts):
                     o = AllreduceOptions()
                     o.reduceOp = opts.reduceOp
-                    works.append(self.stripes[i].allreduce([part], o))
+                    works.append(self._cstripe(i).allreduce([part], o))
             return works
 
         return self._collective("all_reduce", tensors, tensors, call)
@@ -355,7 +441,7 @@ class CpuForwardProcessGroup(BimetalProcessGroup):
                 for i, part in enumerate(self._stripe_parts(host(t))):
                     o = BroadcastOptions()
                     o.rootRank = root
-                    works.append(self.stripes[i].broadcast([part], o))
+                    works.append(self._cstripe(i).broadcast([part], o))
             return works
 
         return self._collective("broadcast", ins, tensors, call)
@@ -363,20 +449,20 @@ class CpuForwardProcessGroup(BimetalProcessGroup):
     def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],  # type: ignore[override]
                   opts: Any = None) -> dist.Work:
         outs = [t for lst in output_lists for t in lst]
-        return self._collective("all_gather", inputs, outs, lambda h: [self.stripes[0].allgather(
+        return self._collective("all_gather", inputs, outs, lambda h: [self._cstripe(0).allgather(
             [[h(t) for t in lst] for lst in output_lists], [h(t) for t in inputs], AllgatherOptions())])
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,  # type: ignore[override]
                           opts: Any = None) -> dist.Work:
         return self._collective("all_gather_into_tensor", [input], [output], lambda h: [
-            self.stripes[0]._allgather_base(h(output), h(input), AllgatherOptions())])
+            self._cstripe(0)._allgather_base(h(output), h(input), AllgatherOptions())])
 
     _allgather_base = all_gather_single  # type: ignore[assignment]
 
     def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],  # type: ignore[override]
                                         opts: Any = None) -> dist.Work:
         return self._collective("all_gather_into_tensor_coalesced", inputs, outputs, lambda h: [
-            self.stripes[0]._allgather_base(h(o), h(i), AllgatherOptions()) for o, i in zip(outputs, inputs)])
+            self._cstripe(0)._allgather_base(h(o), h(i), AllgatherOptions()) for o, i in zip(outputs, inputs)])
 
     def reduce_scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]],  # type: ignore[override]
                        opts: Any = None) -> dist.Work:
@@ -386,7 +472,7 @@ class CpuForwardProcessGroup(BimetalProcessGroup):
         def call(h: Callable[[torch.Tensor], torch.Tensor]) -> list[dist.Work]:
             o = ReduceScatterOptions()
             o.reduceOp = opts.reduceOp
-            return [self.stripes[0].reduce_scatter([h(t) for t in outputs], [[h(t) for t in lst]
+            return [self._cstripe(0).reduce_scatter([h(t) for t in outputs], [[h(t) for t in lst]
                                                                             for lst in input_lists], o)]
 
         return self._collective("reduce_scatter", ins, outputs, call)
@@ -398,7 +484,7 @@ class CpuForwardProcessGroup(BimetalProcessGroup):
         def call(h: Callable[[torch.Tensor], torch.Tensor]) -> list[dist.Work]:
             o = ReduceScatterOptions()
             o.reduceOp = opts.reduceOp
-            return [self.stripes[0]._reduce_scatter_base(h(output), h(input), o)]
+            return [self._cstripe(0)._reduce_scatter_base(h(output), h(input), o)]
 
         return self._collective("reduce_scatter_tensor", [input], [output], call)
 
@@ -413,25 +499,25 @@ class CpuForwardProcessGroup(BimetalProcessGroup):
             for out, inp in zip(outputs, inputs):
                 o = ReduceScatterOptions()
                 o.reduceOp = opts.reduceOp
-                works.append(self.stripes[0]._reduce_scatter_base(h(out), h(inp), o))
+                works.append(self._cstripe(0)._reduce_scatter_base(h(out), h(inp), o))
             return works
 
         return self._collective("reduce_scatter_tensor_coalesced", inputs, outputs, call)
 
     def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],  # type: ignore[override]
                       input_split_sizes: list[int], opts: Any = None) -> dist.Work:
-        return self._collective("all_to_all_single", [input], [output], lambda h: [self.stripes[0].alltoall_base(
+        return self._collective("all_to_all_single", [input], [output], lambda h: [self._cstripe(0).alltoall_base(
             h(output), h(input), list(output_split_sizes), list(input_split_sizes), AllToAllOptions())])
 
     all_to_all_single = alltoall_base  # type: ignore[assignment]
 
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],  # type: ignore[override]
                  opts: Any = None) -> dist.Work:
-        return self._collective("all_to_all", inputs, outputs, lambda h: [self.stripes[0].alltoall(
+        return self._collective("all_to_all", inputs, outputs, lambda h: [self._cstripe(0).alltoall(
             [h(t) for t in outputs], [h(t) for t in inputs], AllToAllOptions())])
 
     def barrier(self, opts: Any = None) -> dist.Work:  # type: ignore[override]
-        return self._collective("barrier", [], [], lambda h: [self.stripes[0].barrier(BarrierOptions())])
+        return self._collective("barrier", [], [], lambda h: [self._cstripe(0).barrier(BarrierOptions())])
 
     def scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]],  # type: ignore[override]
                 opts: Any = None) -> dist.Work:
@@ -441,7 +527,7 @@ class CpuForwardProcessGroup(BimetalProcessGroup):
         def call(h: Callable[[torch.Tensor], torch.Tensor]) -> list[dist.Work]:
             o = ScatterOptions()
             o.rootRank = opts.rootRank
-            return [self.stripes[0].scatter([h(t) for t in outputs], [[h(t) for t in lst] for lst in input_lists], o)]
+            return [self._cstripe(0).scatter([h(t) for t in outputs], [[h(t) for t in lst] for lst in input_lists], o)]
 
         return self._collective("scatter", ins, outputs, call)
 
@@ -453,7 +539,7 @@ class CpuForwardProcessGroup(BimetalProcessGroup):
         def call(h: Callable[[torch.Tensor], torch.Tensor]) -> list[dist.Work]:
             o = GatherOptions()
             o.rootRank = opts.rootRank
-            return [self.stripes[0].gather([[h(t) for t in lst] for lst in output_lists], [h(t) for t in inputs], o)]
+            return [self._cstripe(0).gather([[h(t) for t in lst] for lst in output_lists], [h(t) for t in inputs], o)]
 
         return self._collective("gather", inputs, outs, call)
 
@@ -463,7 +549,7 @@ class CpuForwardProcessGroup(BimetalProcessGroup):
         def call(h: Callable[[torch.Tensor], torch.Tensor]) -> list[dist.Work]:
             o = ReduceOptions()
             o.reduceOp, o.rootRank, o.rootTensor = opts.reduceOp, opts.rootRank, opts.rootTensor
-            return [self.stripes[0].reduce([h(t) for t in tensors], o)]
+            return [self._cstripe(0).reduce([h(t) for t in tensors], o)]
 
         return self._collective("reduce", tensors, tensors, call)
 
@@ -479,4 +565,81 @@ class CpuForwardProcessGroup(BimetalProcessGroup):
             workers, self._workers = list(self._workers.values()), {}
         for w in workers:
             w.stop(timeout=5.0)
+        for waiters in self._waiters.values():
+            for waiter in waiters:
+                waiter.stop()
         self.stripes = []
+
+
+class _HostChunks:
+    """Chunks of a host tensor, sent from or received into in place; chunk ``len(ranges)`` is the CRC."""
+
+    def __init__(self, data: torch.Tensor, ranges: list[tuple[int, int]], crc: torch.Tensor | None):
+        self.data, self.ranges, self.crc = data, ranges, crc
+
+    def __len__(self) -> int:
+        return len(self.ranges) + (self.crc is not None)
+
+    def buffer(self, j: int) -> torch.Tensor:
+        if j == len(self.ranges):
+            assert self.crc is not None
+            return self.crc
+        a, b = self.ranges[j]
+        return self.data[a:b]
+
+    def release(self, j: int, buf: torch.Tensor, ok: bool) -> None:
+        pass
+
+
+class _StagedSend:
+    """Chunks of a device tensor: copied to a pooled pinned buffer when posted, the buffer freed when done."""
+
+    def __init__(self, flat: torch.Tensor, ranges: list[tuple[int, int]], pool: PinnedPool, stream: object,
+                 timeout: timedelta):
+        self.flat, self.ranges, self.pool, self.stream, self.timeout = flat, ranges, pool, stream, timeout
+        self.size = ranges[0][1] - ranges[0][0]
+        self.held: dict[int, torch.Tensor] = {}
+
+    def buffer(self, j: int) -> torch.Tensor:
+        a, b = self.ranges[j]
+        buf = self.held[j] = self.pool.take(self.flat.dtype, self.size, self.timeout)
+        copy_to_host(self.flat[a:b], buf[:b - a], self.stream).synchronize()  # type: ignore[attr-defined]
+        return buf[:b - a]
+
+    def release(self, j: int, buf: torch.Tensor, ok: bool) -> None:
+        self.pool.give(self.held.pop(j))
+
+
+class _StagedRecv:
+    """Chunks of a device tensor received into pooled pinned buffers; each arrival is copied to the device."""
+
+    def __init__(self, out: torch.Tensor, ranges: list[tuple[int, int]], pool: PinnedPool, stream: object,
+                 timeout: timedelta, depth: int):
+        self.out, self.ranges, self.pool, self.stream, self.timeout = out, ranges, pool, stream, timeout
+        self.size, self.depth = ranges[0][1] - ranges[0][0], depth
+        self.held: dict[int, torch.Tensor] = {}
+        self.copying: deque[tuple[object, torch.Tensor]] = deque()
+
+    def buffer(self, j: int) -> torch.Tensor:
+        a, b = self.ranges[j]
+        self.held[j] = self.pool.take(self.out.dtype, self.size, self.timeout)
+        return self.held[j][:b - a]
+
+    def release(self, j: int, buf: torch.Tensor, ok: bool) -> None:
+        full = self.held.pop(j)
+        if not ok:  # lost with its stripe: Gloo closed that context, nothing writes into it any more
+            self.pool.give(full)
+            return
+        a, b = self.ranges[j]
+        self.copying.append((copy_to_device(buf, self.out[a:b], self.stream), full))
+        while len(self.copying) > self.depth:
+            self._retire()
+
+    def _retire(self) -> None:
+        event, buf = self.copying.popleft()
+        event.synchronize()  # type: ignore[attr-defined]
+        self.pool.give(buf)
+
+    def finish(self) -> None:
+        while self.copying:
+            self._retire()

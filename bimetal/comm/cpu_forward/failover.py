@@ -1,0 +1,397 @@
+"""Stripe failover for cpu-forward point-to-point transfers: when one stripe of a message stalls or fails,
+its chunks are re-sent on the stripes that still work, and the stripe is left for the rest of the group's life.
+
+Used when a group has K > 1 stripes (one stripe keeps the plain path of ``pg.py``: nothing to fail over to).
+
+Protocol. Round 0 follows the static plan (chunk j on stripe (first + j) % K, as ``chunk_plan``); each side
+skips the stripes it already holds dead. When the receiver has seen every chunk it posted arrive or get lost
+with its stripe, it sends a *status* on every stripe it holds alive: a fixed-layout int64 tensor
+``[magic, transfer number, round, flags, dead-stripe mask, missing count, bitmap of missing chunks]`` (no
+pickle). The sender waits for it on every stripe it holds alive, kills the stripes the mask names, and
+re-sends the missing chunks: the i-th missing chunk on the (i mod n)-th of the n stripes the mask leaves
+alive. Both sides derive that assignment from the one message, so they never disagree on which chunk rides
+where; a stripe that one side holds alive and the other dead carries nothing that matches, stalls, and dies
+on the other side too. A status with nothing missing is the acknowledgement a send waits for: only then
+may the caller reuse the send buffer.
+
+Stalls. Once the peer is known to be in the transfer (an op of the current phase completed), a stripe with
+ops in flight that completes none for ``stall_s`` is declared stalled, but only while another stripe still
+works: when every stripe stalls, the op's timeout decides (``TransportTimeout``), exactly as with one
+stripe. A stripe is killed by timing out a dummy receive on it: Gloo then closes every pair of that context,
+fails the ops still posted there and writes nothing more into their buffers (measured on torch 2.13), so
+the buffer of a lost chunk may be reused at once and late data can never land in a later transfer. The
+Gloo op stuck on the dead link is never waited for again. Each stripe warns once, when it dies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import time
+import warnings
+from collections import deque
+from collections.abc import Callable
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from bimetal.comm.base import TransportError
+
+if TYPE_CHECKING:
+    from bimetal.comm.cpu_forward.pg import _Deadline
+
+MAGIC = 0x626D6631  # "bmf1"
+CONTROL_TAG = 0x7FFF0001  # status messages; chunks keep the caller's tag
+POISON_TAG = 0x7FFF0002  # the dummy receive that kills a stripe; never sent
+MAX_STRIPES = 62  # the dead-stripe mask is one int64
+_HEADER = 6
+DONE, MORE, CORRUPT = 0, 1, 2
+_GRACE_S = 2.0  # waiter threads outlive the op deadline a little: the coordinator reports the timeout
+
+
+class _Stalled:
+    """A stalled stripe's op as this rank sees it (test hook): never completes; fails once the stripe dies."""
+
+    def __init__(self, gone: threading.Event):
+        self._gone = gone
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        if self._gone.wait(timeout.total_seconds() if timeout is not None else None):
+            raise RuntimeError("stripe closed while stalled (injected fault)")
+        raise RuntimeError("timed out on a stalled stripe (injected fault)")
+
+
+class StripeSet:
+    """The Gloo contexts of one group and which of them still work; shared by all of the group's transfers."""
+
+    def __init__(self, pgs: list[Any], interfaces: list[str | None]):
+        self.pgs = pgs
+        self.interfaces = interfaces
+        self.dead: dict[int, str] = {}
+        """Stripe -> why it was left (stall or the Gloo error); never used again."""
+        self._lock = threading.Lock()
+        self._gone = [threading.Event() for _ in pgs]
+        self._stall_after: dict[int, int] = {}
+
+    def __len__(self) -> int:
+        return len(self.pgs)
+
+    def alive(self) -> list[int]:
+        with self._lock:
+            return [s for s in range(len(self.pgs)) if s not in self.dead]
+
+    def is_dead(self, s: int) -> bool:
+        with self._lock:
+            return s in self.dead
+
+    def dead_mask(self) -> int:
+        with self._lock:
+            return sum(1 << s for s in self.dead)
+
+    def stall_after(self, stripe: int, ops: int) -> None:
+        """Test hook: after ``ops`` more ops this rank posts nothing on ``stripe`` and sees nothing complete."""
+        if not 0 <= stripe < len(self.pgs):
+            raise ValueError(f"no stripe {stripe}; this group has {len(self.pgs)}")
+        with self._lock:
+            self._stall_after[stripe] = ops
+
+    def post(self, s: int, kind: str, buf: torch.Tensor, peer: int, tag: int) -> Any:
+        with self._lock:
+            left = self._stall_after.get(s)
+            if left is not None:
+                if left <= 0:
+                    return _Stalled(self._gone[s])
+                self._stall_after[s] = left - 1
+        pg = self.pgs[s]
+        return pg.send([buf], peer, tag) if kind == "send" else pg.recv([buf], peer, tag)
+
+    def kill(self, s: int, peer: int, reason: str, group: str, peer_global: int) -> None:
+        """Leave stripe ``s`` for good: close its Gloo context (every pair) and warn once."""
+        with self._lock:
+            if s in self.dead:
+                return
+            self.dead[s] = reason
+        # An application-side timeout makes Gloo close all pairs of the context and fail their ops.
+        with contextlib.suppress(RuntimeError):
+            self.pgs[s].recv([torch.zeros(1)], peer, POISON_TAG).wait(timedelta(milliseconds=1))
+        self._gone[s].set()
+        iface = self.interfaces[s] if s < len(self.interfaces) and self.interfaces[s] else "Gloo's default device"
+        warnings.warn(f"bimetal cpu-forward group {group!r}: stripe {s} (interface {iface}) to peer {peer_global} "
+                      f"is degraded ({reason}); its chunks are re-sent on the other stripes and later transfers "
+                      "avoid it", RuntimeWarning, stacklevel=2)
+
+
+class Waiter:
+    """A thread that waits on one stripe's works in posting order and reports each outcome."""
+
+    def __init__(self, name: str):
+        self._jobs: queue.Queue = queue.Queue()
+        threading.Thread(target=self._loop, name=name, daemon=True).start()
+
+    def watch(self, work: Any, end: float, report: Callable[[str | None], None]) -> None:
+        self._jobs.put((work, end, report))
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+
+    def _loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            work, end, report = job
+            try:
+                work.wait(timedelta(seconds=max(0.001, end - time.monotonic())))
+            except Exception as exc:  # the Gloo error of this stripe: the coordinator decides what it means
+                report(short_error(exc))
+            else:
+                report(None)
+
+
+class ChunkIO(Protocol):
+    """Where chunk j's bytes come from (send) or go (receive); ``release`` after its op completed or was lost."""
+
+    def buffer(self, j: int) -> torch.Tensor: ...
+
+    def release(self, j: int, buf: torch.Tensor, ok: bool) -> None: ...
+
+
+class Transfer:
+    """One point-to-point message with failover; ``send`` / ``recv`` run it on the caller's worker thread."""
+
+    def __init__(self, stripes: StripeSet, waiters: list[Waiter], peer: int, peer_global: int, tag: int,
+                 number: int, first: int, chunks: int, deadline: _Deadline, stall_s: float, window: int):
+        self.stripes, self.waiters, self.peer, self.peer_global = stripes, waiters, peer, peer_global
+        self.tag, self.number, self.chunks, self.d = tag, number, chunks, deadline
+        self.stall_s, self.window = stall_s, max(1, window)
+        self.k = len(stripes)
+        self.plan = [(j, (first + j) % self.k) for j in range(chunks)]
+        self.last_error = ""
+
+    def kill(self, s: int, reason: str) -> None:
+        self.last_error = reason
+        self.stripes.kill(s, self.peer, reason, self.d.op.group, self.peer_global)
+
+    def no_stripe_left(self) -> TransportError:
+        return TransportError(f"{self.d.op.describe()} failed: {self.last_error or 'no stripe left'} "
+                              f"(all {self.k} stripes of the group are down)")
+
+    # --- sender -------------------------------------------------------------------------------------------
+    def send(self, io: ChunkIO) -> None:
+        plan, round_, active = self.plan, 0, False
+        while True:
+            _Phase(self, active).pump("send", plan, io)
+            status = self._await_status(round_)
+            if status.flags == CORRUPT:
+                raise TransportError(f"{self.d.op.describe()}: the receiver found a checksum mismatch, the data "
+                                     "was corrupted in transit")
+            if status.flags == DONE:
+                return
+            plan, round_, active = status.assignment, round_ + 1, True
+
+    def _await_status(self, round_: int) -> Status:
+        phase = _Phase(self, active=False)
+        words = _words(self.chunks)
+        bufs = {s: torch.zeros(_HEADER + words, dtype=torch.int64) for s in self.stripes.alive()}
+        got: list[torch.Tensor] = []
+
+        def arrived(token: tuple[Any, ...]) -> None:
+            got.append(bufs[token[1]])
+            if len(got) == 1:  # the receiver's dead stripes are dead: no need to wait them out here
+                mask = Status.parse(got[0], self, round_).dead_mask
+                for s in self.stripes.alive():
+                    if mask >> s & 1:
+                        self.kill(s, "the peer found it dead")
+
+        for s, buf in bufs.items():
+            phase.post(s, "recv", buf, CONTROL_TAG, ("status", s))
+        # The receiver is inside the transfer (every chunk send completed against its posted receive), so its
+        # status comes within about one stall timeout (it may be waiting out a stall itself) plus draining.
+        phase.run(arrived, lambda token: None, confirm_s=2 * self.stall_s)
+        if not got:
+            raise self.no_stripe_left()
+        if any(not torch.equal(g, got[0]) for g in got[1:]):
+            raise TransportError(f"{self.d.op.describe()}: the peer's status messages disagree (not used)")
+        return Status.parse(got[0], self, round_)
+
+    # --- receiver -----------------------------------------------------------------------------------------
+    def recv(self, io: ChunkIO, verify: Callable[[], bool] | None = None) -> None:
+        plan, missing, round_ = self.plan, set(range(self.chunks)), 0
+        controls: list[tuple[int, torch.Tensor]] = []
+        while True:
+            missing -= _Phase(self, active=False).pump("recv", plan, io, controls)
+            alive = self.stripes.alive()
+            if not alive:
+                raise self.no_stripe_left()
+            flags = MORE if missing else (DONE if verify is None or verify() else CORRUPT)
+            status = Status.encode(self.number, round_, flags, self.stripes.dead_mask(), missing, self.chunks)
+            controls = [(s, status) for s in alive]
+            if flags != MORE:
+                _Phase(self, active=False).pump("recv", [], io, controls)
+                if flags == CORRUPT:
+                    raise TransportError(f"{self.d.op.describe()}: checksum mismatch, the data was corrupted in "
+                                         "transit (not used)")
+                return
+            plan = [(j, alive[i % len(alive)]) for i, j in enumerate(sorted(missing))]
+            round_ += 1
+
+
+class _Phase:
+    """Ops of one transfer in flight on the stripes, and the rule that declares a stripe stalled."""
+
+    def __init__(self, t: Transfer, active: bool):
+        self.t = t
+        self.events: queue.Queue = queue.Queue()
+        self.pending: dict[int, deque[tuple[Any, ...]]] = {s: deque() for s in range(t.k)}
+        self.clock: dict[int, float] = {}  # when the stripe last completed an op or went from idle to busy
+        self.done_at: dict[int, float] = {}  # when it last completed one
+        self.active_at = time.monotonic() if active else None
+
+    def _others_work(self, s: int) -> bool:
+        """Whether another stripe is fine while ``s`` stalls: idle (its share done), or still completing ops
+        at least half a stall timeout after ``s`` last moved. (Stripes that stop within a moment of each
+        other stalled together: the peer, not a link; the op timeout decides then.)"""
+        since = max(self.active_at or 0.0, self.clock[s]) + self.t.stall_s / 2
+        return any(o != s and (not self.pending[o] or self.done_at.get(o, 0.0) >= since)
+                   for o in self.t.stripes.alive())
+
+    def post(self, s: int, kind: str, buf: torch.Tensor, tag: int, token: tuple[Any, ...]) -> bool:
+        t = self.t
+        if t.stripes.is_dead(s):
+            return False
+        try:
+            work = t.stripes.post(s, kind, buf, t.peer, tag)
+        except RuntimeError as exc:  # the pair is already closed
+            t.kill(s, short_error(exc))
+            return False
+        if not self.pending[s]:
+            self.clock[s] = time.monotonic()
+        self.pending[s].append(token)
+        t.waiters[s].watch(work, t.d.end + _GRACE_S, lambda err: self.events.put((s, token, err)))
+        return True
+
+    def pump(self, kind: str, plan: list[tuple[int, int]], io: ChunkIO,
+             controls: list[tuple[int, torch.Tensor]] | None = None) -> set[int]:
+        """Post the status sends ``controls`` and the chunks of ``plan`` (at most ``window`` in flight);
+        return the chunks whose op completed."""
+        todo, done = deque(plan), set()
+        inflight = 0
+
+        def fill() -> None:
+            nonlocal inflight
+            while todo and inflight < self.t.window:
+                j, s = todo.popleft()
+                if self.t.stripes.is_dead(s):
+                    continue
+                buf = io.buffer(j)
+                if self.post(s, kind, buf, self.t.tag, ("chunk", j, buf)):
+                    inflight += 1
+                else:
+                    io.release(j, buf, False)
+
+        def finished(token: tuple[Any, ...], ok: bool) -> None:
+            nonlocal inflight
+            if token[0] == "chunk":
+                inflight -= 1
+                if ok:
+                    done.add(token[1])
+                io.release(token[1], token[2], ok)
+                fill()
+
+        for s, status in controls or []:
+            self.post(s, "send", status, CONTROL_TAG, ("status", s))
+        fill()
+        self.run(lambda token: finished(token, True), lambda token: finished(token, False))
+        return done
+
+    def run(self, on_done: Callable[[tuple[Any, ...]], None], on_lost: Callable[[tuple[Any, ...]], None],
+            confirm_s: float | None = None) -> None:
+        """Until no op is pending on a live stripe; completions go to ``on_done``, ops of dead stripes to
+        ``on_lost``. With ``confirm_s``, fail when nothing completes within that many seconds."""
+        t = self.t
+        give_up_at = time.monotonic() + confirm_s if confirm_s is not None else None
+        while True:
+            for s in range(t.k):
+                while self.pending[s] and t.stripes.is_dead(s):
+                    on_lost(self.pending[s].popleft())
+            live = [s for s in range(t.k) if self.pending[s]]
+            if not live:
+                return
+            now = time.monotonic()
+            if now >= t.d.end:
+                raise t.d.expired()
+            wake = t.d.end
+            if self.active_at is None and give_up_at is not None:
+                if now >= give_up_at:
+                    raise TransportError(f"{t.d.op.describe()} failed: the receiver did not confirm the transfer "
+                                         f"within {confirm_s:g} s of its last "
+                                         "chunk (dead, stalled, or receiving a message of another size)")
+                wake = min(wake, give_up_at)
+            if self.active_at is not None:
+                due = {s: max(self.active_at, self.clock[s]) + t.stall_s for s in live}
+                stalled = [s for s in live if now >= due[s]]
+                doomed = [s for s in stalled if self._others_work(s)]
+                for s in doomed:
+                    t.kill(s, f"no progress for {t.stall_s:g} s")
+                if doomed:
+                    continue
+                wake = min([wake, *(due[s] for s in live if s not in stalled)])
+            try:
+                s, token, err = self.events.get(timeout=max(0.0, wake - now))
+            except queue.Empty:
+                continue
+            if not any(tok is token for tok in self.pending[s]):
+                continue  # lost with its stripe already
+            if err is not None:
+                t.kill(s, err)
+                continue
+            self.pending[s] = deque(tok for tok in self.pending[s] if tok is not token)
+            self.clock[s] = self.done_at[s] = time.monotonic()
+            self.active_at = self.active_at or self.clock[s]
+            on_done(token)
+
+
+def short_error(exc: BaseException) -> str:
+    """A Gloo error's first sentence, without its source-file prefix."""
+    text = (str(exc).splitlines() or [type(exc).__name__])[0]
+    if text.startswith("[") and "] " in text:
+        text = text.split("] ", 1)[1]
+    return text.split(". ", 1)[0]
+
+
+def _words(chunks: int) -> int:
+    return (chunks + 31) // 32
+
+
+class Status:
+    """The receiver's status: fixed-layout int64, validated field by field (it comes off the network)."""
+
+    def __init__(self, flags: int, dead_mask: int, missing: list[int], k: int):
+        self.flags, self.dead_mask, self.missing = flags, dead_mask, missing
+        alive = [s for s in range(k) if not dead_mask >> s & 1]
+        self.assignment = [(j, alive[i % len(alive)]) for i, j in enumerate(missing)] if alive else []
+
+    @staticmethod
+    def encode(number: int, round_: int, flags: int, dead_mask: int, missing: set[int], chunks: int) -> torch.Tensor:
+        bits = [0] * _words(chunks)
+        for j in missing:
+            bits[j // 32] |= 1 << (j % 32)
+        return torch.tensor([MAGIC, number, round_, flags, dead_mask, len(missing), *bits], dtype=torch.int64)
+
+    @staticmethod
+    def parse(raw: torch.Tensor, t: Transfer, round_: int) -> Status:
+        v = [int(x) for x in raw.tolist()]
+        magic, number, rnd, flags, mask, count = v[:_HEADER]
+        missing = [w * 32 + b for w, word in enumerate(v[_HEADER:]) for b in range(32) if word >> b & 1]
+        problems = [name for name, bad in (
+            ("magic", magic != MAGIC), ("transfer number", number != t.number), ("round", rnd != round_),
+            ("flags", flags not in (DONE, MORE, CORRUPT)), ("dead mask", not 0 <= mask < 1 << t.k),
+            ("missing count", count != len(missing) or (flags == MORE) != (count > 0)),
+            ("missing chunk", any(j >= t.chunks for j in missing) or any(w >> 32 for w in v[_HEADER:])),
+            ("alive stripes", flags == MORE and mask == (1 << t.k) - 1)) if bad]
+        if problems:
+            raise TransportError(f"{t.d.op.describe()}: malformed status from the peer (bad "
+                                 f"{', '.join(problems)}); not used")
+        return Status(flags, mask, missing, t.k)

@@ -12,7 +12,9 @@ re-sends the missing chunks: the i-th missing chunk on the (i mod n)-th of the n
 alive. Both sides derive that assignment from the one message, so they never disagree on which chunk rides
 where; a stripe that one side holds alive and the other dead carries nothing that matches, stalls, and dies
 on the other side too. A status with nothing missing is the acknowledgement a send waits for: only then
-may the caller reuse the send buffer.
+may the caller reuse the send buffer. (Messages up to one chunk are copied to a pooled buffer first, so
+their caller goes on at once and the worker thread waits for the acknowledgement; the receiver's caller
+goes on as soon as the data is complete.)
 
 Stalls. Once the peer is known to be in the transfer (an op of the current phase completed), a stripe with
 ops in flight that completes none for ``stall_s`` is declared stalled, but only while another stripe still
@@ -179,10 +181,13 @@ class Transfer:
                               f"(all {self.k} stripes of the group are down)")
 
     # --- sender -------------------------------------------------------------------------------------------
-    def send(self, io: ChunkIO) -> None:
+    def send(self, io: ChunkIO, release: Callable[[], None] | None = None) -> None:
+        """``release``: called once round 0 is on the wire, when ``io`` holds a private copy of the message."""
         plan, round_, active = self.plan, 0, False
         while True:
             _Phase(self, active).pump("send", plan, io)
+            if release is not None and round_ == 0:
+                release()
             status = self._await_status(round_)
             if status.flags == CORRUPT:
                 raise TransportError(f"{self.d.op.describe()}: the receiver found a checksum mismatch, the data "
@@ -192,50 +197,86 @@ class Transfer:
             plan, round_, active = status.assignment, round_ + 1, True
 
     def _await_status(self, round_: int) -> Status:
-        phase = _Phase(self, active=False)
         words = _words(self.chunks)
         bufs = {s: torch.zeros(_HEADER + words, dtype=torch.int64) for s in self.stripes.alive()}
-        got: list[torch.Tensor] = []
 
-        def arrived(token: tuple[Any, ...]) -> None:
-            got.append(bufs[token[1]])
-            if len(got) == 1:  # the receiver's dead stripes are dead: no need to wait them out here
-                mask = Status.parse(got[0], self, round_).dead_mask
-                for s in self.stripes.alive():
-                    if mask >> s & 1:
-                        self.kill(s, "the peer found it dead")
+        def first(s: int) -> None:  # the receiver's dead stripes are dead: no need to wait them out here
+            mask = Status.parse(bufs[s], self, round_).dead_mask
+            for o in self.stripes.alive():
+                if mask >> o & 1:
+                    self.kill(o, "the peer found it dead")
 
-        for s, buf in bufs.items():
-            phase.post(s, "recv", buf, CONTROL_TAG, ("status", s))
-        # The receiver is inside the transfer (every chunk send completed against its posted receive), so its
-        # status comes within about one stall timeout (it may be waiting out a stall itself) plus draining.
-        phase.run(arrived, lambda token: None, confirm_s=2 * self.stall_s)
-        if not got:
-            raise self.no_stripe_left()
+        got = [bufs[s] for s in self._exchange("recv", bufs, first)]
         if any(not torch.equal(g, got[0]) for g in got[1:]):
             raise TransportError(f"{self.d.op.describe()}: the peer's status messages disagree (not used)")
         return Status.parse(got[0], self, round_)
 
+    def _exchange(self, kind: str, bufs: dict[int, torch.Tensor],
+                  first: Callable[[int], None] | None = None) -> list[int]:
+        """Send or receive the status on every stripe of ``bufs``; return those where it went through.
+
+        Waited here in turn, not on the waiter threads (they would cost two thread hops per message). The
+        peer is inside the transfer, so the first status goes through within about one stall timeout (the
+        peer may be waiting out a stall itself): 2 x ``stall_s`` in all, else the peer is gone or desynced.
+        Once one went through, the others came with it: a stripe still silent after ``stall_s`` is dead.
+        A Gloo wait that times out closes its stripe, which is what a stripe that ends silent must be.
+        """
+        works = {}
+        for s, buf in bufs.items():
+            if self.stripes.is_dead(s):
+                continue
+            try:
+                works[s] = self.stripes.post(s, kind, buf, self.peer, CONTROL_TAG)
+            except RuntimeError as exc:
+                self.kill(s, short_error(exc))
+        confirm_by = time.monotonic() + 2 * self.stall_s
+        done: list[int] = []
+        for s, work in works.items():
+            if self.stripes.is_dead(s):
+                continue
+            now = time.monotonic()
+            limit = max(confirm_by - now, 0.1 * self.stall_s) if not done else self.stall_s
+            try:
+                work.wait(timedelta(seconds=max(0.001, min(limit, self.d.end - now))))
+            except RuntimeError as exc:
+                if time.monotonic() >= self.d.end - 0.01:
+                    raise self.d.expired() from None
+                self.kill(s, short_error(exc) if time.monotonic() - now < limit - 0.01 else
+                          f"no status for {limit:.3g} s")
+                continue
+            done.append(s)
+            if len(done) == 1 and first is not None:
+                first(s)
+        if not done:
+            other = "receiver did not confirm the transfer" if kind == "recv" else "sender did not take the status"
+            raise TransportError(f"{self.d.op.describe()} failed: the {other} within {2 * self.stall_s:g} s "
+                                 "(dead, stalled, or in a message of another size)"
+                                 + (f"; {self.last_error}" if self.last_error else ""))
+        return done
+
     # --- receiver -----------------------------------------------------------------------------------------
-    def recv(self, io: ChunkIO, verify: Callable[[], bool] | None = None) -> None:
-        plan, missing, round_ = self.plan, set(range(self.chunks)), 0
-        controls: list[tuple[int, torch.Tensor]] = []
+    def recv(self, io: ChunkIO, verify: Callable[[], bool] | None = None,
+             complete: Callable[[], None] | None = None) -> None:
+        """``complete``: called when every chunk is in and verified, before the final status goes out."""
+        plan, missing, round_, active = self.plan, set(range(self.chunks)), 0, False
         while True:
-            missing -= _Phase(self, active=False).pump("recv", plan, io, controls)
+            missing -= _Phase(self, active).pump("recv", plan, io)
             alive = self.stripes.alive()
             if not alive:
                 raise self.no_stripe_left()
             flags = MORE if missing else (DONE if verify is None or verify() else CORRUPT)
             status = Status.encode(self.number, round_, flags, self.stripes.dead_mask(), missing, self.chunks)
-            controls = [(s, status) for s in alive]
-            if flags != MORE:
-                _Phase(self, active=False).pump("recv", [], io, controls)
-                if flags == CORRUPT:
-                    raise TransportError(f"{self.d.op.describe()}: checksum mismatch, the data was corrupted in "
-                                         "transit (not used)")
+            if flags == DONE and complete is not None:
+                complete()
+            # (the sender's chunks follow once it has the status: the next round starts with the peer seen)
+            self._exchange("send", {s: status for s in alive})
+            if flags == CORRUPT:
+                raise TransportError(f"{self.d.op.describe()}: checksum mismatch, the data was corrupted in "
+                                     "transit (not used)")
+            if flags == DONE:
                 return
             plan = [(j, alive[i % len(alive)]) for i, j in enumerate(sorted(missing))]
-            round_ += 1
+            round_, active = round_ + 1, True
 
 
 class _Phase:
@@ -272,10 +313,8 @@ class _Phase:
         t.waiters[s].watch(work, t.d.end + _GRACE_S, lambda err: self.events.put((s, token, err)))
         return True
 
-    def pump(self, kind: str, plan: list[tuple[int, int]], io: ChunkIO,
-             controls: list[tuple[int, torch.Tensor]] | None = None) -> set[int]:
-        """Post the status sends ``controls`` and the chunks of ``plan`` (at most ``window`` in flight);
-        return the chunks whose op completed."""
+    def pump(self, kind: str, plan: list[tuple[int, int]], io: ChunkIO) -> set[int]:
+        """Post the chunks of ``plan`` (at most ``window`` in flight); return those whose op completed."""
         todo, done = deque(plan), set()
         inflight = 0
 
@@ -300,18 +339,35 @@ class _Phase:
                 io.release(token[1], token[2], ok)
                 fill()
 
-        for s, status in controls or []:
-            self.post(s, "send", status, CONTROL_TAG, ("status", s))
+        if len(plan) == 1 and self.active_at is None:
+            return self._single(kind, plan[0], io)
         fill()
         self.run(lambda token: finished(token, True), lambda token: finished(token, False))
         return done
 
-    def run(self, on_done: Callable[[tuple[Any, ...]], None], on_lost: Callable[[tuple[Any, ...]], None],
-            confirm_s: float | None = None) -> None:
+    def _single(self, kind: str, chunk: tuple[int, int], io: ChunkIO) -> set[int]:
+        """One chunk, the peer not yet seen: no stall can be told from a late peer, so the waiter threads have
+        nothing to decide; wait here (two thread hops less for small messages)."""
+        t, (j, s) = self.t, chunk
+        if t.stripes.is_dead(s):
+            return set()
+        buf = io.buffer(j)
+        ok = False
+        try:
+            t.stripes.post(s, kind, buf, t.peer, t.tag).wait(timedelta(seconds=max(0.001, t.d.end - time.monotonic())))
+            ok = True
+        except RuntimeError as exc:
+            if time.monotonic() >= t.d.end - 0.01:
+                raise t.d.expired() from None
+            t.kill(s, short_error(exc))
+        finally:
+            io.release(j, buf, ok)
+        return {j} if ok else set()
+
+    def run(self, on_done: Callable[[tuple[Any, ...]], None], on_lost: Callable[[tuple[Any, ...]], None]) -> None:
         """Until no op is pending on a live stripe; completions go to ``on_done``, ops of dead stripes to
-        ``on_lost``. With ``confirm_s``, fail when nothing completes within that many seconds."""
+        ``on_lost``."""
         t = self.t
-        give_up_at = time.monotonic() + confirm_s if confirm_s is not None else None
         while True:
             for s in range(t.k):
                 while self.pending[s] and t.stripes.is_dead(s):
@@ -323,12 +379,6 @@ class _Phase:
             if now >= t.d.end:
                 raise t.d.expired()
             wake = t.d.end
-            if self.active_at is None and give_up_at is not None:
-                if now >= give_up_at:
-                    raise TransportError(f"{t.d.op.describe()} failed: the receiver did not confirm the transfer "
-                                         f"within {confirm_s:g} s of its last "
-                                         "chunk (dead, stalled, or receiving a message of another size)")
-                wake = min(wake, give_up_at)
             if self.active_at is not None:
                 due = {s: max(self.active_at, self.clock[s]) + t.stall_s for s in live}
                 stalled = [s for s in live if now >= due[s]]

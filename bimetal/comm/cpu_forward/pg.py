@@ -21,6 +21,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import warnings
 import zlib
 from collections import deque
 from collections.abc import Callable
@@ -84,6 +85,8 @@ class _Deadline:
     def __init__(self, op: OpRecord, timeout: timedelta, diagnose: Callable[[OpRecord], str] | None = None):
         self.op, self.timeout, self.diagnose = op, timeout, diagnose
         self.end = time.monotonic() + timeout.total_seconds()
+        self.release: Callable[[], None] = lambda: None
+        """Completes the op for its caller early (the worker goes on with the rest of it)."""
 
     def wait(self, work: dist.Work) -> None:
         remaining = self.end - time.monotonic()
@@ -127,6 +130,7 @@ class CpuForwardProcessGroup(BimetalProcessGroup):
         """Which stripes still work; with K > 1, point-to-point transfers fail over (``failover.py``)."""
         self.stall_s = options.stall_seconds(timeout)
         self._waiters: dict[Any, list[Waiter]] = {}
+        self._deferred: dict[Any, TransportError] = {}
 
     # --- plumbing ------------------------------------------------------------------------------------
     def _worker(self, key: Any) -> _Worker:
@@ -138,13 +142,33 @@ class CpuForwardProcessGroup(BimetalProcessGroup):
     def _submit(self, key: Any, op: OpRecord, body: Callable[[_Deadline], Any]) -> dist.Work:
         fut: torch.futures.Future = torch.futures.Future()
 
+        def release() -> None:  # the caller may go on; the worker still finishes the op (failover's confirmation)
+            if not fut.done():
+                fut.set_result(None)
+
+        def settle(exc: TransportError) -> None:
+            if not fut.done():
+                fut.set_exception(exc)
+                return
+            # Too late for this op's caller: the next op of this worker reports it, and it is printed now.
+            self._deferred[key] = exc
+            warnings.warn(f"{exc} (after the operation had completed for the caller)", RuntimeWarning, stacklevel=2)
+
         def job() -> None:
             try:
-                fut.set_result(body(_Deadline(op, self.timeout, self.diagnose)))
+                earlier = self._deferred.pop(key, None)
+                if earlier is not None:
+                    raise TransportError(f"{op.describe()} not started: an earlier transfer with this peer failed "
+                                         f"after completing: {earlier}")
+                d = _Deadline(op, self.timeout, self.diagnose)
+                d.release = release
+                value = body(d)
+                if not fut.done():
+                    fut.set_result(value)
             except TransportError as exc:
-                fut.set_exception(exc)
+                settle(exc)
             except Exception as exc:  # a Gloo or torch error: name the op, keep the cause's first line
-                fut.set_exception(TransportError(f"{op.describe()} failed: {str(exc).splitlines()[0]}"))
+                settle(TransportError(f"{op.describe()} failed: {str(exc).splitlines()[0]}"))
 
         self._worker(key).submit(job)
         return make_work(fut)
@@ -222,11 +246,22 @@ class CpuForwardProcessGroup(BimetalProcessGroup):
             data = data.clone()
             data.view(torch.uint8)[0] ^= 0xFF
             self._fault = None
+        nbytes = data.numel() * data.element_size()
+        # Up to one chunk, a pooled copy lets the caller go on once the data is on the wire, while the worker
+        # waits for the receiver's confirmation (and re-sends from the copy): pipeline traffic keeps its latency.
+        keep = self.pool.take(data.dtype, data.numel(), self.timeout) if 0 < nbytes <= self.options.chunk_bytes \
+            else None
+        if keep is not None:
+            data = keep.copy_(data)
         ranges = [(a, b) for a, b, _ in self._plan(data.numel(), data.element_size(), 0)]
         io = _HostChunks(data, ranges, crc)
-        self._transfer(("send", dst), dst, tag, turn, len(io), d, len(io)).send(io)
-        self.counters.add(bytes_sent=data.numel() * data.element_size(),
-                          bytes_direct=data.numel() * data.element_size())
+        try:
+            self._transfer(("send", dst), dst, tag, turn, len(io), d, len(io)).send(
+                io, d.release if keep is not None else None)
+        finally:
+            if keep is not None:
+                self.pool.give(keep)
+        self.counters.add(bytes_sent=nbytes, bytes_direct=nbytes)
 
     def _recv_failover(self, tensor: torch.Tensor, src: int, tag: int, turn: int, d: _Deadline) -> None:
         if is_device(tensor):
@@ -234,12 +269,17 @@ class CpuForwardProcessGroup(BimetalProcessGroup):
             ranges = [(a, b) for a, b, _ in self._plan(out.numel(), out.element_size(), 0)]
             staged = _StagedRecv(out, ranges, self.pool, self._streams.pair(out.device)[1], self.timeout,
                                  max(1, self.options.pool_buffers // 2))
-            self._transfer(("recv", src), src, tag, turn, len(ranges), d, staged.depth).recv(staged)
-            staged.finish()
-            if not tensor.is_contiguous():
-                tensor.copy_(out.view(tensor.shape))
-            nbytes = out.numel() * out.element_size()
-            self.counters.add(bytes_received=nbytes, bytes_staged=nbytes)
+
+            def complete_staged() -> None:
+                staged.finish()
+                if not tensor.is_contiguous():
+                    tensor.copy_(out.view(tensor.shape))
+                self.counters.add(bytes_received=out.numel() * out.element_size(),
+                                  bytes_staged=out.numel() * out.element_size())
+                d.release()
+
+            self._transfer(("recv", src), src, tag, turn, len(ranges), d, staged.depth).recv(
+                staged, None, complete_staged)
             return
         direct = tensor.is_contiguous()
         target = tensor.view(-1) if direct else torch.empty(tensor.numel(), dtype=tensor.dtype)
@@ -248,11 +288,15 @@ class CpuForwardProcessGroup(BimetalProcessGroup):
         crc = torch.zeros(1, dtype=torch.int64) if self.checksum else None
         io = _HostChunks(data, ranges, crc)
         verify = (lambda: int(crc.item()) == int(self._crc(data).item())) if crc is not None else None
-        self._transfer(("recv", src), src, tag, turn, len(io), d, len(io)).recv(io, verify)
-        if not direct:
-            tensor.copy_(target.view(tensor.shape))
-        self.counters.add(bytes_received=data.numel() * data.element_size(),
-                          bytes_direct=data.numel() * data.element_size())
+
+        def complete() -> None:  # every byte is in (and checked): the caller may go on; the status follows
+            if not direct:
+                tensor.copy_(target.view(tensor.shape))
+            self.counters.add(bytes_received=data.numel() * data.element_size(),
+                              bytes_direct=data.numel() * data.element_size())
+            d.release()
+
+        self._transfer(("recv", src), src, tag, turn, len(io), d, len(io)).recv(io, verify, complete)
 
     # --- K = 1 -----------------------------------------------------------------------------------------
     def _send_host(self, flat: torch.Tensor, dst: int, tag: int, first: int, d: _Deadline) -> None:

@@ -100,31 +100,36 @@ def _leftovers(lab_id: str) -> list[str]:
     return left + ([str(STATE_DIR)] if (STATE_DIR / f"{lab_id}.json").exists() else [])
 
 
+def _run_cutting(lab: Any, out: Path, argv: list[str], cuts: list[tuple[str, int]]) -> dict[int, Any]:
+    """Run the lab rank program; ``cuts`` (node, NIC) go down 1 s after rank 0 wrote ``go``."""
+    from bimetal.lab import faults
+
+    results: list[Any] = []
+    job = threading.Thread(target=lambda: results.extend(lab.run(
+        [str(HERE / "cf_failover_lab_rank.py"), str(out), *argv], timeout=100, capture=True)))
+    job.start()
+    deadline = time.monotonic() + 90
+    while not (out / "go").exists() and job.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    cut = (out / "go").exists()
+    if cut:
+        time.sleep(1.0)
+        for node, nic in cuts:
+            faults.nic_down(lab, node, nic)
+    job.join(timeout=110)
+    text = "".join(r.output for r in results)
+    assert cut and [r.returncode for r in results] == [0, 0], text[-4000:]
+    return {int(line.split()[0][6:]): json.loads(line.split(" ", 1)[1])
+            for line in text.splitlines() if line.startswith("RESULT")}
+
+
 @pytest.mark.lab
 @pytest.mark.timeout(120)
 def test_lab_nic_down_mid_transfer_completes_bit_identical(make_lab: Any, tmp_path: Path) -> None:
-    from bimetal.lab import faults
-
     rate = 300  # Mbit/s per NIC: 256 MiB takes ~3.6 s on two, so the cut lands mid-transfer
     lab = make_lab(nodes=[{"name": "a", "vendor": "nvidia", "ranks": 1}, {"name": "b", "vendor": "amd", "ranks": 1}],
                    nics=2, rate_mbit=rate)
-    results: list[Any] = []
-    job = threading.Thread(target=lambda: results.extend(lab.run(
-        [str(HERE / "cf_failover_lab_rank.py"), str(tmp_path), "256"], timeout=100, capture=True)))
-    job.start()
-    deadline = time.monotonic() + 90
-    while not (tmp_path / "go").exists() and job.is_alive() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    cut_at = None
-    if (tmp_path / "go").exists():
-        time.sleep(1.0)
-        faults.nic_down(lab, "b", 1)
-        cut_at = time.monotonic()
-    job.join(timeout=110)
-    text = "".join(r.output for r in results)
-    assert cut_at is not None and [r.returncode for r in results] == [0, 0], text[-4000:]
-    rows = {int(line.split()[0][6:]): json.loads(line.split(" ", 1)[1])
-            for line in text.splitlines() if line.startswith("RESULT")}
+    rows = _run_cutting(lab, tmp_path, ["256"], [("b", 1)])
     for rank in (0, 1):
         r = rows[rank]
         assert r["dead"] == [1], r
@@ -139,3 +144,18 @@ def test_lab_nic_down_mid_transfer_completes_bit_identical(make_lab: Any, tmp_pa
     lab_id = lab.spec.lab_id
     lab.down()
     assert _leftovers(lab_id) == []
+
+
+@pytest.mark.lab
+@pytest.mark.timeout(120)
+def test_lab_every_stripe_cut_fails_within_timeout_plus_30s(make_lab: Any, tmp_path: Path) -> None:
+    """Stripes on eth1+eth2 (eth0 keeps the store and the default group), both cut mid-transfer."""
+    lab = make_lab(nodes=[{"name": "a", "vendor": "nvidia", "ranks": 1}, {"name": "b", "vendor": "amd", "ranks": 1}],
+                   nics=3, rate_mbit=100)
+    rows = _run_cutting(lab, tmp_path, ["64", "alldown"], [("b", 1), ("b", 2)])
+    for rank, op in ((0, "send #1 with peer 1"), (1, "recv #1 with peer 0")):
+        r = rows[rank]
+        assert r["type"] == "TransportTimeout" and f"group 'pp.a-b' {op} did not complete within 10 s" in r["error"], r
+        assert r["elapsed"] < 10 + 30, r
+    print(f"\nevery stripe cut: send failed after {rows[0]['elapsed']:.1f} s, recv after {rows[1]['elapsed']:.1f} s "
+          "(timeout 10 s)")

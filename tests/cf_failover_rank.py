@@ -5,6 +5,7 @@
 * ``recv_stall``: rank 0's stripe 1 stalls mid-transfer (``inject_fault("stall")``: nothing posted or completed
   on it any more), checksums on; then a second transfer on the surviving stripe;
 * ``send_stall``: the same with the sender's stripe 0;
+* ``both_ways``: both ranks send to each other at once (as 1F1B does) while rank 0's stripe 1 stalls;
 * ``all_stall``: both of rank 0's stripes stall: the receive must fail with the op timeout's error.
 
 Each rank writes ``OUT_DIR/rank<r>.json``: per scenario, whether the data matched, the errors, the elapsed
@@ -55,13 +56,27 @@ def transfer(g: dist.ProcessGroup, rank: int, seed: int) -> dict[str, object]:
         return {"ok": False, "error": str(exc), "type": type(exc).__name__, "elapsed": time.monotonic() - start}
 
 
+def both_ways(g: dist.ProcessGroup, rank: int, seed: int) -> dict[str, object]:
+    start = time.monotonic()
+    try:
+        got = torch.empty(NUMEL)
+        works = [dist.isend(payload(seed + rank), 1 - rank, group=g), dist.irecv(got, 1 - rank, group=g)]
+        for w in works:
+            w.wait()
+        ok = torch.equal(got, payload(seed + 1 - rank))
+        return {"ok": ok, "error": None, "elapsed": time.monotonic() - start}
+    except Exception as exc:
+        return {"ok": False, "error": str(exc), "type": type(exc).__name__, "elapsed": time.monotonic() - start}
+
+
 def main() -> None:
     out_dir = sys.argv[1]
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     rank = dist.get_rank()
     results: dict[str, object] = {}
-    for name, stalling_rank, stripes in (("recv_stall", 0, [1]), ("send_stall", 1, [0]), ("all_stall", 0, [0, 1])):
+    for name, stalling_rank, stripes in (("recv_stall", 0, [1]), ("send_stall", 1, [0]), ("both_ways", 0, [1]),
+                                         ("all_stall", 0, [0, 1])):
         g = group(f"pp.{name}", 8.0 if name == "all_stall" else 60.0)
         pg: Any = g  # the bimetal object itself (extended API)
         pg.checksum = name == "recv_stall"
@@ -71,8 +86,9 @@ def main() -> None:
             if rank == stalling_rank:
                 for s in stripes:
                     pg.inject_fault("stall", stripe=s, after=6)
-            first = transfer(g, rank, seed=1)
-            second = transfer(g, rank, seed=2) if name != "all_stall" else None
+            run = both_ways if name == "both_ways" else transfer
+            first = run(g, rank, seed=1)
+            second = run(g, rank, seed=3) if name != "all_stall" else None
         degraded = [str(w.message) for w in caught if "degraded" in str(w.message)]
         results[name] = {"first": first, "second": second, "warnings": degraded, "dead": sorted(pg.links.dead)}
         dist.barrier()

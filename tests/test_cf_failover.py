@@ -1,6 +1,7 @@
 """Stripe failover of cpu-forward point-to-point (issue 8, item 3).
 
-* loopback (no lab): one stripe stalls on the receiver or on the sender (``inject_fault("stall")``), the
+* loopback (no lab): one stripe stalls on the receiver, on the sender, or under traffic both ways at once
+  (``inject_fault("stall")``), the
   message arrives bit-identical, the stripe is left with one warning per rank, the next transfer works;
   with every stripe stalled the receive fails with the op timeout's error, within timeout + 30 s;
 * lab (root): a NIC cut with ``faults.nic_down`` during a striped 256 MiB transfer between two nodes.
@@ -75,7 +76,7 @@ def test_loopback_stalled_stripe_fails_over_and_all_stalled_times_out(tmp_path: 
     assert proc.returncode == 0, proc.stderr[-3000:]
     for rank in (0, 1):
         res = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        for name, stripe in (("recv_stall", 1), ("send_stall", 0)):
+        for name, stripe in (("recv_stall", 1), ("send_stall", 0), ("both_ways", 1)):
             r = res[name]
             assert r["first"]["ok"] and r["second"]["ok"], (rank, name, r)
             assert r["dead"] == [stripe], (rank, name, r)

@@ -19,7 +19,8 @@ from bimetal.plan.spec import ClusterSpec, load_spec
 
 def plan_to_train_config(p: Plan) -> dict[str, object]:
     """The `bimetal train` config (bimetal.train.config keys) for a plan the trainer can run."""
-    return {"model": {"family": p.model.split("-")[0], "flavour": p.model},
+    m = cost.model_dims(p.model)
+    return {"model": {"family": m.family, "flavour": m.flavour},
             "parallel": {"pp": p.pp, "dp": p.dp, "layers_per_stage": p.layer_split, "schedule": "1f1b",
                          "microbatches": p.microbatches, "pp_transport": p.transport},
             "data": {"seq_len": p.seq, "batch_size": p.micro_batch * p.microbatches}}
@@ -39,7 +40,11 @@ def _best_tps(vendor: str, model: str, seq: int, gb: int, spec: ClusterSpec) -> 
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="bimetal plan", description=__doc__)
+    if argv[:1] == ["calibrate"]:
+        from bimetal.plan.calibrate import main as calibrate_main
+        return calibrate_main(argv[1:])
+    ap = argparse.ArgumentParser(prog="bimetal plan", description=__doc__,
+                                 epilog="`bimetal plan calibrate --lab LAB` compares predictions with the lab.")
     ap.add_argument("spec", help="cluster spec TOML (see configs/clusters/)")
     ap.add_argument("--model", default="llama3-8b", help=f"model flavour: {', '.join(cost.MODELS)}")
     ap.add_argument("--seq", type=int, default=8192)

@@ -18,9 +18,11 @@ CHUNKS = 8
 
 @dataclass(frozen=True)
 class ModelDims:
-    """Layer dimensions of a model flavour (same names as bimetal.models.FLAVOURS)."""
+    """Layer dimensions of a model flavour, read from bimetal.models.FLAVOURS (qkv biases left out)."""
 
     name: str
+    family: str
+    flavour: str
     layers: int
     dim: int
     ffn: int
@@ -47,12 +49,18 @@ class ModelDims:
         return self.layers * self.layer_params + self.head_params + self.embed_params
 
 
-# Published configs: Meta-Llama-3-8B and Qwen2-7B config.json (untied embeddings in both).
-MODELS: dict[str, ModelDims] = {
-    "llama3-8b": ModelDims("llama3-8b", 32, 4096, 14336, 32, 8, 128256),
-    "qwen2-7b": ModelDims("qwen2-7b", 28, 3584, 18944, 28, 4, 152064),
-    "debug": ModelDims("debug", 4, 256, 768, 4, 4, 2048),
-}
+def _from_flavour(name: str, family: str, flavour: str) -> ModelDims:
+    # The model package is the one source of sizes, so the planner costs exactly what the trainer builds.
+    from bimetal.models import FLAVOURS
+
+    a = FLAVOURS[family][flavour]
+    return ModelDims(name, family, flavour, a.n_layers, a.dim, a.ffn_dim, a.n_heads, a.n_kv_heads, a.vocab_size)
+
+
+# Planner name -> (family, flavour); "debug" is the LLaMA-3 debug flavour the lab trains.
+MODELS: dict[str, ModelDims] = {name: _from_flavour(name, fam, fl) for name, (fam, fl) in {
+    "llama3-8b": ("llama3", "llama3-8b"), "qwen2-7b": ("qwen2", "qwen2-7b"), "debug": ("llama3", "debug"),
+    "qwen2-debug": ("qwen2", "debug")}.items()}
 
 
 def model_dims(name: str) -> ModelDims:

@@ -1,62 +1,152 @@
-"""`bimetal profile`: time one transformer block of a flavour on the local device, write a JSON profile.
+"""`bimetal profile`: time the parts of the real model on the local device and write a JSON profile.
 
-The block is built here from the planner's dimension table (bimetal.models had not landed when this
-was written); it has the same GEMMs and causal attention, so its time per token stands for a layer of
-the real model. The profile records achieved FLOP/s; a cluster spec group with ``profile = "file.json"``
-uses it instead of peak x efficiency. torch is imported lazily so bimetal.plan stays importable without it.
+The parts are what a pipeline stage is made of, built with ``bimetal.models.build_stage`` at the
+microbatch shape the trainer will run: one transformer block, the input embedding, and the head (final
+norm, output projection and the float32 cross-entropy). For each part the profile records the median
+forward, backward and optimizer-update seconds (AdamW with ``foreach=False`` and the gradient-norm sum,
+as the trainer does), plus the memcpy bandwidth of one stage-boundary activation (what a cpu-forward
+staging copy costs where "device" memory is host memory). The planner adds parts up per stage; a group
+with ``profile = "file.json"`` in a cluster spec uses the block's achieved FLOP/s. torch is imported
+lazily so that reading a profile needs no torch.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from bimetal.errors import UserError
 from bimetal.plan import cost
 
+PARTS = ("layer", "embed", "head")
 
-def time_block(m: cost.ModelDims, seq: int, micro_batch: int, repeats: int, device: str) -> float:
-    """Median seconds of forward + backward of one block on ``device``."""
+
+def _median(fn: Callable[[], None], repeats: int, sync: Callable[[], None]) -> float:
+    fn()  # warm-up: allocator, kernels
+    times = []
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def time_part(m: cost.ModelDims, part: str, seq: int, micro_batch: int, repeats: int, device: str) -> dict[str, float]:
+    """Median forward, backward and optimizer seconds of one stage part at ``micro_batch x seq``."""
     import torch
     import torch.nn.functional as F
 
-    torch.manual_seed(0)
-    hd = m.dim // m.heads
-    dt = torch.float32 if device == "cpu" else torch.bfloat16
+    from bimetal.models import FLAVOURS, build_stage
 
-    def w(*shape: int) -> Any:
-        return (torch.randn(*shape, device=device, dtype=dt) * 0.02).requires_grad_()
+    args = FLAVOURS[m.family][m.flavour]
+    stage = build_stage(m.family, args, [0], part == "embed", part == "head", device=device, seed=0)
+    if part != "layer":  # a stage must hold a layer; drop it to time the embedding or the head alone
+        for key in list(stage.layers):
+            del stage.layers[key]
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, m.vocab, (micro_batch, seq), generator=gen).to(device)
+    hidden = torch.randn(micro_batch, seq, m.dim, generator=gen).to(device)
+    grad_out = torch.randn(micro_batch, seq, m.dim, generator=gen).to(device)
+    sync = torch.cuda.synchronize if device != "cpu" else (lambda: None)
+    state: dict[str, Any] = {}
 
-    wq, wk, wv, wo = w(m.dim, m.dim), w(m.kv_heads * hd, m.dim), w(m.kv_heads * hd, m.dim), w(m.dim, m.dim)
-    w1, w2, w3 = w(m.ffn, m.dim), w(m.dim, m.ffn), w(m.ffn, m.dim)
-    x = torch.randn(micro_batch, seq, m.dim, device=device, dtype=dt, requires_grad=True)
+    def forward() -> None:
+        x = ids if part == "embed" else hidden.detach().requires_grad_(True)
+        out = stage(x)
+        if part == "head":  # the loss is computed on the last stage, inside its forward slot
+            out = F.cross_entropy(out.float().reshape(-1, m.vocab), ids.reshape(-1))
+        state["out"] = out
 
-    def step() -> None:
-        h = F.rms_norm(x, (m.dim,))
-        q = (h @ wq.T).view(micro_batch, seq, m.heads, hd).transpose(1, 2)
-        k = (h @ wk.T).view(micro_batch, seq, m.kv_heads, hd).transpose(1, 2)
-        v = (h @ wv.T).view(micro_batch, seq, m.kv_heads, hd).transpose(1, 2)
-        rep = m.heads // m.kv_heads
-        a = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), is_causal=True)
-        y = x + a.transpose(1, 2).reshape(micro_batch, seq, m.dim) @ wo.T
-        g = F.rms_norm(y, (m.dim,))
-        out = y + (F.silu(g @ w1.T) * (g @ w3.T)) @ w2.T
-        out.sum().backward()
+    def backward() -> None:
+        out = state.pop("out")
+        out.backward() if part == "head" else out.backward(grad_out)
 
-    step()  # warm-up: allocator, kernels
-    times = []
-    for _ in range(repeats):
-        if device != "cpu":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        step()
-        if device != "cpu":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
+    def fwd_bwd() -> None:
+        forward()
+        backward()
+
+    def fwd_only() -> None:
+        forward()
+        state.pop("out")
+
+    decay = [p for p in stage.parameters() if p.dim() >= 2]
+    other = [p for p in stage.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
+                            lr=1e-4, foreach=False)
+
+    def update() -> None:
+        sq = torch.zeros((), device=device)
+        for p in stage.parameters():
+            if p.grad is not None:
+                sq += p.grad.detach().float().pow(2).sum()
+        float(sq.sqrt())
+        opt.step()
+
+    total = _median(fwd_bwd, repeats, sync)
+    fwd = _median(fwd_only, repeats, sync)
+    return {"fwd_s": fwd, "bwd_s": max(total - fwd, 0.0), "optim_s": _median(update, repeats, sync),
+            "params": float(sum(p.numel() for p in stage.parameters()))}
+
+
+def copy_gbps(nbytes: int, repeats: int) -> float:
+    """Host memcpy bandwidth (GB/s) for a buffer of ``nbytes``, the cost of one cpu-forward staging copy."""
+    import torch
+
+    src = torch.randn(max(nbytes // 4, 1))
+    dst = torch.empty_like(src)
+
+    def copy() -> None:
+        dst.copy_(src)
+
+    t = _median(copy, max(repeats, 5), lambda: None)
+    return src.numel() * 4 / t / 1e9
+
+
+def profile(model: str, seq: int, micro_batch: int, repeats: int = 5, threads: int = 1) -> dict[str, Any]:
+    """Measure every part of ``model`` on the local device; the dict ``bimetal profile`` writes."""
+    if model not in cost.MODELS:
+        raise UserError(f"unknown model flavour {model!r}; pass --model one of {', '.join(cost.MODELS)}.")
+    if seq < 1 or micro_batch < 1 or repeats < 1 or threads < 1:
+        raise UserError(f"--seq, --micro-batch, --repeats and --threads must be positive, got {seq}, "
+                        f"{micro_batch}, {repeats}, {threads}.")
+    import torch
+
+    torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(True, warn_only=True)  # as the trainer runs by default
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    m = cost.MODELS[model]
+    parts = {p: time_part(m, p, seq, micro_batch, repeats, device) for p in PARTS}
+    layer = parts["layer"]
+    flops = cost.layer_flops_per_token(m, seq) * seq * micro_batch
+    act_bytes = micro_batch * seq * m.dim * 4  # the trainer's stage boundary is float32
+    return {"model": model, "family": m.family, "flavour": m.flavour, "seq": seq, "micro_batch": micro_batch,
+            "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "threads": threads,
+            "parts": parts, "boundary_bytes": act_bytes, "copy_gbps": copy_gbps(act_bytes, repeats),
+            "layer_fwd_bwd_s": layer["fwd_s"] + layer["bwd_s"],
+            "achieved_flops": flops / (layer["fwd_s"] + layer["bwd_s"])}
+
+
+def read_profile(path: str | Path) -> dict[str, Any]:
+    """A profile with per-part timings; UserError names the file and what is missing."""
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text())
+        for part in PARTS:
+            for key in ("fwd_s", "bwd_s", "optim_s"):
+                float(data["parts"][part][key])
+        float(data["copy_gbps"])
+        int(data["seq"]), int(data["micro_batch"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UserError(f"{p} is not a per-part bimetal profile ({type(e).__name__}: {e}); write one with "
+                        "`bimetal profile --model debug --seq S --micro-batch B --out FILE`.") from None
+    return dict(data)
 
 
 def load_profile(path: str, where: str) -> float:
@@ -71,7 +161,7 @@ def load_profile(path: str, where: str) -> float:
 
 
 def profile_main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="bimetal profile", description=__doc__)
+    ap = argparse.ArgumentParser(prog="bimetal profile", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="debug", help=f"flavour: {', '.join(cost.MODELS)}")
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--micro-batch", type=int, default=1)
@@ -79,18 +169,10 @@ def profile_main(argv: list[str]) -> int:
     ap.add_argument("--threads", type=int, default=1, help="CPU threads (torch.set_num_threads)")
     ap.add_argument("--out", required=True, help="JSON profile to write")
     a = ap.parse_args(argv)
-    if a.model not in cost.MODELS:
-        raise UserError(f"unknown model flavour {a.model!r}; pass --model one of {', '.join(cost.MODELS)}.")
-    import torch
-
-    torch.set_num_threads(a.threads)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    m = cost.MODELS[a.model]
-    t = time_block(m, a.seq, a.micro_batch, a.repeats, device)
-    flops = cost.layer_flops_per_token(m, a.seq) * a.seq * a.micro_batch
-    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-    prof = {"model": a.model, "seq": a.seq, "micro_batch": a.micro_batch, "device": name, "threads": a.threads,
-            "layer_fwd_bwd_s": t, "achieved_flops": flops / t}
+    prof = profile(a.model, a.seq, a.micro_batch, a.repeats, a.threads)
     Path(a.out).write_text(json.dumps(prof, indent=1))
-    print(f"{a.model} block on {name}: {t * 1e3:.2f} ms fwd+bwd, {flops / t / 1e9:.2f} GFLOP/s -> {a.out}")
+    parts = ", ".join(f"{k} {v['fwd_s'] * 1e3:.2f}+{v['bwd_s'] * 1e3:.2f}+{v['optim_s'] * 1e3:.2f} ms"
+                      for k, v in prof["parts"].items())
+    print(f"{a.model} on {prof['device']} (mb {a.micro_batch} x seq {a.seq}; fwd+bwd+optim): {parts}; "
+          f"{prof['achieved_flops'] / 1e9:.2f} GFLOP/s per block, copy {prof['copy_gbps']:.1f} GB/s -> {a.out}")
     return 0

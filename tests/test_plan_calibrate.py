@@ -1,0 +1,54 @@
+"""The planner's lab calibration: the 1F1B replay against hand-computed makespans, and the prediction path
+(profile parts / CPU share, boundary transfer over the lab link) choosing an uneven split for a slow rank.
+
+The measurement itself (``bimetal plan calibrate --lab configs/lab/calib.toml``) trains on the lab for about
+a minute; it is a benchmark, not a test.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bimetal.lab.spec import load_spec
+from bimetal.plan.calibrate import Rank, best_split, even_split, lab_ranks, predict, splits
+from bimetal.plan.schedule import StageTimes, one_f_one_b
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("p,m,fwd,bwd,want", [
+    (2, 4, 1.0, 1.0, (4 + 2 - 1) * 2.0),   # equal stages, no transfers: (m + p - 1) x (F + B)
+    (4, 8, 1.0, 2.0, (8 + 4 - 1) * 3.0),
+    (1, 5, 1.0, 2.0, 5 * 3.0),             # one stage: m x (F + B)
+])
+def test_one_f_one_b_matches_hand_values(p: int, m: int, fwd: float, bwd: float, want: float) -> None:
+    makespan, ends = one_f_one_b([StageTimes(fwd, bwd)] * p, m)
+    assert makespan == pytest.approx(want) and len(ends) == p
+
+
+def test_transfer_time_lengthens_the_schedule() -> None:
+    base, _ = one_f_one_b([StageTimes(1.0, 1.0)] * 2, 4)
+    slow, _ = one_f_one_b([StageTimes(1.0, 1.0, send_next=0.5), StageTimes(1.0, 1.0)], 4)
+    assert slow > base
+
+
+def _profile() -> dict:
+    part = {"fwd_s": 0.01, "bwd_s": 0.02, "optim_s": 0.001}
+    small = {"fwd_s": 0.001, "bwd_s": 0.002, "optim_s": 0.0005}
+    return {"parts": {"layer": part, "embed": small, "head": small}, "boundary_bytes": 1 << 16, "copy_gbps": 5.0}
+
+
+def test_half_speed_rank_gets_fewer_layers() -> None:
+    ranks = [Rank("nv", "nvidia", 1.0, 1, 200.0, 0.0), Rank("amd", "amd", 0.5, 1, 200.0, 0.0)]
+    even = predict(_profile(), ranks, even_split(4, 2), 4)
+    best = best_split(_profile(), ranks, 4, 4)
+    assert best.split == [3, 1] and best.step_s < even.step_s
+    assert [2, 2] in splits(4, 2) and len(splits(4, 2)) == 3
+    assert best.boundary_s[0] > (1 << 16) / (200e6 / 8)  # at least the wire time of one activation
+
+
+def test_lab_spec_becomes_planner_ranks() -> None:
+    ranks = lab_ranks(load_spec(str(ROOT / "configs" / "lab" / "calib.toml")))
+    assert len(ranks) == 2 and sorted(r.share for r in ranks) == [0.5, 1.0]

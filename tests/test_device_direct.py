@@ -115,7 +115,11 @@ def _exchange(rank: int, port: int) -> dict:
     dist.barrier(group=pg)
     stats = pg.comm_stats()
     assert stats["bytes_staged"] == 0, stats
-    assert stats["bytes_direct"] == stats["bytes_sent"] > (256 << 20 if rank == 0 else 0), stats
+    # every byte went one of the three ways, none through a host bounce: engine writes (eager, rendezvous) or
+    # inside a notification (small host tensors); all three were taken
+    assert stats["bytes_direct"] + stats["bytes_inline_sent"] == stats["bytes_sent"], stats
+    assert stats["bytes_direct"] > (256 << 20 if rank == 0 else 0), stats
+    assert stats["bytes_inline_sent"] > 0 and stats["landing_copy_bytes"] > 0, stats
     proxy = pg.proxy
     dist.destroy_process_group(pg)
     assert not proxy.alive, "the proxy thread outlived destroy_process_group"
@@ -189,7 +193,26 @@ def _fallback(rank: int, port: int) -> dict:
     return {"refused": refused, "warnings": [str(w.message) for w in caught], "backend": type(pg).__name__}
 
 
-SCENARIOS = {"exchange": _exchange, "pipeline": _pipeline, "killed": _killed, "fallback": _fallback}
+def _mismatch(rank: int, port: int) -> dict:
+    pg = _join_world(rank, port, 20)
+    errors = []
+    # a rendezvous send into a small recv, then an eager send into a rendezvous recv: every side that waits
+    # fails with both sizes named, well before the timeout
+    for tag, (sent, posted) in enumerate([(5 << 20, 1 << 20), (1 << 20, 5 << 20)]):
+        t0 = time.monotonic()
+        try:
+            if rank == 0:
+                dist.send(torch.zeros(sent, dtype=torch.uint8), 1, group=pg, tag=tag)
+            else:
+                dist.recv(torch.zeros(posted, dtype=torch.uint8), 0, group=pg, tag=tag)
+        except Exception as exc:  # noqa: BLE001 - the message is what the test checks
+            errors.append((tag, str(exc), time.monotonic() - t0))
+    dist.barrier()
+    return {"errors": errors}
+
+
+SCENARIOS = {"exchange": _exchange, "mismatch": _mismatch, "pipeline": _pipeline, "killed": _killed,
+             "fallback": _fallback}
 
 
 def _spawn(scenario: str, tmp_path: Path) -> list[dict]:
@@ -222,6 +245,17 @@ def test_killed_peer_fails_the_survivor_naming_it(tmp_path: Path) -> None:
     assert "peer rank 1" in survivor["error"] and "recv" in survivor["error"], survivor["error"]
     assert survivor["seconds"] < 8 + 2, survivor
     assert survivor["alive_after"] is False
+
+
+def test_size_mismatch_fails_with_both_sizes(tmp_path: Path) -> None:
+    v0, v1 = _spawn("mismatch", tmp_path)
+    assert v0["ok"] and v1["ok"], (v0, v1)
+    big, small = str(5 << 20), str(1 << 20)
+    (tag0, sender, s0), = v0["errors"]  # the eager send of case 2 completes: it waits for nobody
+    assert tag0 == 0 and big in sender and small in sender and s0 < 10, v0
+    assert [e[0] for e in v1["errors"]] == [0, 1], v1
+    for _, text, seconds in v1["errors"]:
+        assert big in text and small in text and seconds < 10, v1
 
 
 def test_engine_missing_on_one_rank_errors_or_falls_back_on_all(tmp_path: Path) -> None:

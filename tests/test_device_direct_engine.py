@@ -69,3 +69,27 @@ def test_protocol_choice(monkeypatch, tmp_path):
     assert choose_protocol() == "tcp"
     with pytest.raises(EngineUnavailableError, match="unknown device-direct engine"):
         open_engine("127.0.0.1", "tcp", name="nope")
+
+
+def test_default_host_is_the_nic_of_this_local_rank(monkeypatch):
+    from bimetal.comm.device_direct import default_host
+    from bimetal.topology.records import NicInfo
+
+    nics = [NicInfo("eth0", "10.0.0.1"), NicInfo("eth1", "10.0.1.1")]
+    assert default_host(0, nics) == "10.0.0.1"
+    assert default_host(1, nics) == "10.0.1.1"
+    assert default_host(5, nics) == "10.0.0.1"  # fewer NICs than local ranks: the first NIC
+    assert default_host(1, []) == "127.0.0.1"
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert default_host(None, nics) == "10.0.1.1"
+
+
+def test_options_are_checked(monkeypatch):
+    from bimetal.comm.device_direct import options_from
+
+    monkeypatch.setenv("BIMETAL_DD_HOST", "127.0.0.1")
+    assert options_from({"inline_bytes": 0}).inline_bytes == 0
+    with pytest.raises(EngineUnavailableError, match="BIMETAL_DD_INLINE_BYTES"):
+        options_from({"inline_bytes": 1 << 30})
+    with pytest.raises(EngineUnavailableError, match="BIMETAL_DD_WINDOW"):
+        options_from({"window": 0})

@@ -8,7 +8,9 @@ never changes silently.
 
 Options (a ``pg_options`` dict, else env): ``host`` / ``BIMETAL_DD_HOST``, ``protocol`` / ``BIMETAL_DD_PROTOCOL``,
 ``engine`` / ``BIMETAL_DD_ENGINE``, ``chunk_bytes`` / ``BIMETAL_DD_CHUNK_BYTES``, ``slots`` / ``BIMETAL_DD_SLOTS``,
-``window`` / ``BIMETAL_DD_WINDOW``, ``fallback`` / ``BIMETAL_DD_FALLBACK``, ``device`` / ``BIMETAL_DD_DEVICE``.
+``window`` / ``BIMETAL_DD_WINDOW``, ``inline_bytes`` / ``BIMETAL_DD_INLINE_BYTES``, ``fallback`` /
+``BIMETAL_DD_FALLBACK``, ``device`` / ``BIMETAL_DD_DEVICE``. The host defaults to this rank's own NIC: NIC number
+``LOCAL_RANK`` of the node (one NIC per GPU), else the first NIC, else loopback.
 """
 
 from __future__ import annotations
@@ -27,26 +29,41 @@ from bimetal.comm.device_direct.engine import EngineUnavailableError, choose_pro
 from bimetal.comm.device_direct.pg import DeviceDirectOptions, DeviceDirectProcessGroup
 
 __all__ = ["DeviceDirectOptions", "DeviceDirectProcessGroup", "EngineUnavailableError", "create_process_group",
-           "options_from"]
+           "default_host", "options_from"]
 
 log = logging.getLogger(__name__)
 _FALLBACKS = ("error", "cpu-forward")
 
 
-def _default_host() -> str:
-    from bimetal.topology.records import local_nics
-
-    nics = local_nics()
-    return nics[0].address if nics else "127.0.0.1"
+_MAX_INLINE = 256 << 10  # base64 of it stays well inside Mooncake's 1 MiB notification limit
 
 
-def _positive(name: str, value: Any) -> int:
+def default_host(local_rank: int | None = None, nics: list[Any] | None = None) -> str:
+    """The address of NIC ``local_rank`` of this node (one NIC per GPU); the first NIC when the node has fewer
+    NICs than local ranks; loopback when it has none. ``local_rank`` defaults to ``LOCAL_RANK`` (else 0)."""
+    if nics is None:
+        from bimetal.topology.records import local_nics
+
+        nics = local_nics()
+    if local_rank is None:
+        try:
+            local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        except ValueError:
+            local_rank = 0
+    if not nics:
+        return "127.0.0.1"
+    return nics[local_rank].address if 0 <= local_rank < len(nics) else nics[0].address
+
+
+def _integer(name: str, value: Any, least: int = 1, most: int | None = None) -> int:
     try:
         number = int(value)
     except (TypeError, ValueError):
-        number = 0
-    if number <= 0:
-        raise EngineUnavailableError(f"device-direct option {name} must be a positive integer, got {value!r}")
+        number = least - 1
+    if number < least or (most is not None and number > most):
+        bounds = f"between {least} and {most}" if most is not None else f"an integer >= {least}"
+        raise EngineUnavailableError(f"device-direct option {name} must be {bounds}, got {value!r} "
+                                     f"(BIMETAL_DD_{name.upper()})")
     return number
 
 
@@ -64,10 +81,14 @@ def options_from(pg_options: Any = None) -> DeviceDirectOptions:
     if fallback not in _FALLBACKS:
         raise EngineUnavailableError(f"unknown device-direct fallback {fallback!r}; set BIMETAL_DD_FALLBACK to "
                                      "error or cpu-forward")
-    return DeviceDirectOptions(host=str(get("host", "") or _default_host()), protocol=str(get("protocol", "auto")),
+    defaults = DeviceDirectOptions(host="")
+    return DeviceDirectOptions(host=str(get("host", "") or default_host()), protocol=str(get("protocol", "auto")),
                                engine=str(get("engine", "mooncake")),
-                               chunk_bytes=_positive("chunk_bytes", get("chunk_bytes", 4 << 20)),
-                               slots=_positive("slots", get("slots", 4)), window=_positive("window", get("window", 4)),
+                               chunk_bytes=_integer("chunk_bytes", get("chunk_bytes", defaults.chunk_bytes)),
+                               slots=_integer("slots", get("slots", defaults.slots)),
+                               window=_integer("window", get("window", defaults.window)),
+                               inline_bytes=_integer("inline_bytes", get("inline_bytes", defaults.inline_bytes), 0,
+                                                     _MAX_INLINE),
                                fallback=fallback)
 
 

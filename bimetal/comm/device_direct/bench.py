@@ -1,113 +1,98 @@
-"""Point-to-point bandwidth and latency rows for any process group, and a side-by-side two-process run.
+"""The engine alone, with no proxy and no process group: the ceiling device-direct can reach on a link.
 
-``measure_rows(group, label, rank, sizes)`` is what ``bimetal bench comm`` calls for each transport (group
-ranks 0 and 1 take part; it works the same for Gloo, cpu-forward and device-direct, so the rows compare).
-Latency is half the round trip of a ping-pong; bandwidth is a one-way stream of messages closed by an ack.
-``python -m bimetal.comm.device_direct.bench [--sizes 4096,67108864] [--out rows.json]`` runs two local ranks
-and prints Gloo, cpu-forward (when built) and device-direct rows from the same run.
+``EngineOnly`` is the ``dd-engine`` variant of ``bimetal bench comm``: rank 0 writes the message straight into
+a buffer rank 1 registered once (in ``chunk``-sized writes, ``window`` in flight, exactly as the proxy's
+rendezvous path posts them) and sends one notification; the 1-element acknowledgement goes back the same way.
+No matching, no credits, no per-message registration, no thread hand-off. Side by side with ``gloo`` and
+``device-direct`` in one run it separates what the engine costs from what our control plane adds, e.g. to
+show that a bandwidth gap to Gloo on loopback is the CPU TCP engine's, not the proxy's.
+
+``python -m bimetal.comm.device_direct.bench [bench comm options]`` is ``bimetal bench comm`` with the
+device-direct rows (gloo, cpu-forward x1, device-direct, dd-engine at 4 KiB and 64 MiB unless told otherwise).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import sys
 import time
-from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-DEFAULT_SIZES = (4096, 1 << 20, 64 << 20)
+from bimetal.comm.device_direct.engine import Engine, WriteStatus, choose_protocol, open_engine
 
-
-def _iters(nbytes: int) -> int:
-    return max(4, min(200, (256 << 20) // max(nbytes, 1)))
+_SPIN_S = 300e-6
+_NAP_S = 200e-6
 
 
-def measure_rows(group: Any, label: str, rank: int, sizes: tuple[int, ...] = DEFAULT_SIZES) -> list[dict]:
-    """One row per size: ``{"transport", "bytes", "latency_us", "gbit_s", "iters"}`` (group ranks 0 and 1)."""
-    peer = 1 - rank
-    rows = []
-    for nbytes in sizes:
-        buf = torch.ones(nbytes, dtype=torch.uint8)
-        ack = torch.zeros(1, dtype=torch.uint8)
-        n = _iters(nbytes)
-        dist.barrier(group=group)
-        for _ in range(2):  # warm-up: connections, registrations, caches
-            _pingpong(group, rank, peer, buf)
-        t0 = time.perf_counter()
-        for _ in range(n):
-            _pingpong(group, rank, peer, buf)
-        latency = (time.perf_counter() - t0) / n / 2
-        dist.barrier(group=group)
-        t0 = time.perf_counter()
-        if rank == 0:
-            works = [dist.isend(buf, group_dst=peer, group=group, tag=1) for _ in range(n)]
-        else:
-            works = [dist.irecv(buf, group_src=peer, group=group, tag=1) for _ in range(n)]
-        for w in works:
-            if w is not None:
-                w.wait()
-        if rank == 0:
-            dist.recv(ack, group_src=peer, group=group, tag=2)
-        else:
-            dist.send(ack, group_dst=peer, group=group, tag=2)
-        seconds = time.perf_counter() - t0
-        rows.append({"transport": label, "bytes": nbytes, "latency_us": round(latency * 1e6, 1),
-                     "gbit_s": round(nbytes * n * 8 / seconds / 1e9, 3), "iters": n})
-    return rows
+class _Done:
+    """A completed Work stand-in (``bench comm`` only calls ``wait()``)."""
+
+    def wait(self) -> bool:
+        return True
 
 
-def _pingpong(group: Any, rank: int, peer: int, buf: torch.Tensor) -> None:
-    if rank == 0:
-        dist.send(buf, group_dst=peer, group=group)
-        dist.recv(buf, group_src=peer, group=group)
-    else:
-        dist.recv(buf, group_src=peer, group=group)
-        dist.send(buf, group_dst=peer, group=group)
+class EngineOnly:
+    """Raw one-sided writes plus one notification per message between group ranks 0 and 1."""
 
+    def __init__(self, store: Any, rank: int, host: str, capacity: int, chunk: int = 4 << 20, window: int = 16,
+                 timeout: float = 60.0) -> None:
+        self.rank, self.peer, self.chunk, self.window, self.timeout = rank, 1 - rank, chunk, window, timeout
+        self.engine: Engine = open_engine(host, choose_protocol())
+        self.landing = torch.empty(max(capacity, 1), dtype=torch.uint8)
+        self.engine.register(self.landing.data_ptr(), self.landing.numel(), "cpu")
+        store.set(f"bimetal_dd_engine_only/{rank}", json.dumps({"endpoint": self.engine.endpoint(),
+                                                                "landing": self.landing.data_ptr()}))
+        record = json.loads(store.get(f"bimetal_dd_engine_only/{self.peer}"))
+        self.engine.connect(self.peer, record["endpoint"])
+        self.remote = int(record["landing"])
+        self._notes: list[str] = []
 
-def _rank(rank: int, port: int, sizes: tuple[int, ...], out: str) -> None:
-    torch.set_num_threads(1)
-    os.environ.setdefault("BIMETAL_DD_HOST", "127.0.0.1")
-    import bimetal  # noqa: F401  (registers the back-ends)
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> _Done:
+        flat = tensors[0].reshape(-1).view(torch.uint8)
+        n, off = flat.numel(), 0
+        pending: list[int] = []
+        while off < n or pending:
+            while off < n and len(pending) < self.window:
+                size = min(self.chunk, n - off)
+                pending.append(self.engine.post_write(self.peer, flat.data_ptr() + off, self.remote + off, size))
+                off += size
+            status = self.engine.poll(pending[0])
+            if status is WriteStatus.FAILED:
+                raise RuntimeError(f"engine-only write of {n} bytes failed")
+            if status is WriteStatus.DONE:
+                pending.pop(0)
+            else:
+                time.sleep(_NAP_S)
+        self.engine.notify(self.peer, str(tag))
+        return _Done()
 
-    store = dist.TCPStore("127.0.0.1", port, 2, False, timeout=timedelta(seconds=60))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
-    groups: list[tuple[str, Any]] = [("gloo", dist.group.WORLD)]
-    try:
-        groups.append(("cpu-forward", dist.new_group([0, 1], backend="bimetal_cpu_forward")))
-    except Exception as exc:  # noqa: BLE001 - a transport not built yet is left out of the table, with why
-        print(f"cpu-forward left out: {exc}", file=sys.stderr)
-    groups.append(("device-direct", dist.new_group([0, 1], backend="bimetal_device_direct")))
-    rows: list[dict] = []
-    for label, group in groups:
-        rows += measure_rows(group, label, rank, sizes)
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump(rows, f, indent=1)
-    dist.destroy_process_group()
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> _Done:
+        # the data lands in the registered buffer; the ceiling includes no copy into the caller's tensor
+        start = time.monotonic()
+        while str(tag) not in self._notes:
+            self._notes += self.engine.notifications()
+            waited = time.monotonic() - start
+            if waited > self.timeout:
+                raise TimeoutError(f"engine-only recv waited {self.timeout:.0f} s for group rank {src}")
+            time.sleep(0 if waited < _SPIN_S else _NAP_S)
+        self._notes.remove(str(tag))
+        return _Done()
+
+    def close(self) -> None:
+        self.engine.close()
 
 
 def main(argv: list[str] | None = None) -> int:
-    import torch.multiprocessing as mp
+    from bimetal.comm.bench import main as bench_main
 
-    ap = argparse.ArgumentParser(prog="python -m bimetal.comm.device_direct.bench")
-    ap.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)), help="message sizes in bytes")
-    ap.add_argument("--out", default="dd_bench.json")
-    args = ap.parse_args(argv)
-    sizes = tuple(int(s) for s in args.sizes.split(","))
-    store = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=timedelta(seconds=60), wait_for_workers=False)
-    mp.start_processes(_rank, args=(store.port, sizes, args.out), nprocs=2, start_method="spawn")
-    with open(args.out) as f:
-        rows = json.load(f)
-    print(f"{'transport':<14}{'bytes':>11}{'latency_us':>12}{'Gbit/s':>9}")
-    for r in rows:
-        print(f"{r['transport']:<14}{r['bytes']:>11}{r['latency_us']:>12}{r['gbit_s']:>9}")
-    return 0
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not any(a.startswith("--transports") for a in args):
+        args += ["--transports", "gloo,cpu-forward,device-direct,dd-engine", "--stripes", "1"]
+    if not any(a.startswith("--sizes") for a in args):
+        args += ["--sizes", "4K,64M"]
+    return bench_main(args)
 
 
 if __name__ == "__main__":

@@ -35,17 +35,20 @@ class DeviceDirectOptions:
     """Knobs of the device-direct transport (pg_options keys, else ``BIMETAL_DD_*`` env vars)."""
 
     host: str
-    """Address this rank's engine listens on (``BIMETAL_DD_HOST``; default: the first NIC of the host)."""
+    """Address this rank's engine listens on (``BIMETAL_DD_HOST``; default: NIC ``LOCAL_RANK`` of the host, else the
+    first NIC, else loopback)."""
     protocol: str = "auto"
     """``rdma``, ``tcp`` or ``auto`` (RDMA where verbs devices exist)."""
     engine: str = "mooncake"
     """Which transfer engine adapter (``engine.ENGINES``)."""
     chunk_bytes: int = 4 << 20
     """Receive-slot size = the eager limit = the rendezvous write size."""
-    slots: int = 4
+    slots: int = 8
     """Receive slots (credits) per peer."""
-    window: int = 4
-    """Rendezvous writes in flight per message."""
+    window: int = 16
+    """Rendezvous writes in flight per message (each on its own engine connection over TCP)."""
+    inline_bytes: int = 16 << 10
+    """Host-tensor messages up to this size ride inside the notification (0: never)."""
     fallback: str = "error"
     """When the engine cannot start: ``error`` (fail with the reason) or ``cpu-forward`` (warn and use it)."""
 
@@ -80,22 +83,28 @@ class DeviceDirectProcessGroup(BimetalProcessGroup):
         super().__init__(rank, size, timeout, global_ranks)
         self.engine_name, self.protocol = engine.name, engine.protocol
         self.proxy = Proxy(engine, rank, self.global_ranks, opts.chunk_bytes, opts.slots, opts.window,
-                           timeout.total_seconds(), device)
+                           timeout.total_seconds(), device, opts.inline_bytes, opts.host)
         peers = [p for p in range(size) if p != rank]
         pools = {str(p): self.proxy.add_peer(p) for p in peers}
         _publish(store, rank, {"ok": True, "endpoint": engine.endpoint(), "pools": pools,
-                               "chunk_bytes": opts.chunk_bytes, "slots": opts.slots})
+                               "chunk_bytes": opts.chunk_bytes, "slots": opts.slots, "inline": opts.inline_bytes,
+                               "bell": list(self.proxy.bell)})
         for p in peers:
             record = _read(store, p)
             if not record["ok"]:
                 raise TransportError(f"group rank {p} could not start its engine: {record['reason']}")
-            if (record["chunk_bytes"], record["slots"]) != (opts.chunk_bytes, opts.slots):
-                raise TransportError(f"group rank {p} uses device-direct chunk/slots {record['chunk_bytes']}/"
-                                     f"{record['slots']} but this rank {opts.chunk_bytes}/{opts.slots}; "
-                                     "set the same BIMETAL_DD_CHUNK_BYTES/BIMETAL_DD_SLOTS on every rank")
+            theirs = (record["chunk_bytes"], record["slots"], record.get("inline"))
+            mine = (opts.chunk_bytes, opts.slots, opts.inline_bytes)
+            if theirs != mine:
+                raise TransportError(f"group rank {p} uses device-direct chunk/slots/inline "
+                                     f"{'/'.join(map(str, theirs))} but this rank {'/'.join(map(str, mine))}; "
+                                     "set the same BIMETAL_DD_CHUNK_BYTES/_SLOTS/_INLINE_BYTES on every rank")
             if str(rank) not in record["pools"]:
                 raise TransportError(f"group rank {p} published no receive pool for group rank {rank}")
-            self.proxy.connect(p, record["endpoint"], record["pools"][str(rank)])
+            bell = record.get("bell")
+            doorbell = (bell[0], bell[1]) if isinstance(bell, list) and len(bell) == 2 and isinstance(
+                bell[0], str) and isinstance(bell[1], int) else None  # without one, the peer's notes are polled
+            self.proxy.connect(p, record["endpoint"], record["pools"][str(rank)], doorbell)
         self.proxy.start()
         # backstop: the proxy never outlives the group, not even when nobody calls destroy_process_group
         self._finalizer = weakref.finalize(self, Proxy.close, self.proxy)
@@ -199,6 +208,9 @@ class DeviceDirectProcessGroup(BimetalProcessGroup):
         stats["bytes_staged"] = self.proxy.staged_bytes
         stats["bytes_direct"] = self.proxy.direct_bytes
         stats["landing_copy_bytes"] = self.proxy.landing_copy_bytes
+        stats["bytes_inline_sent"] = self.proxy.inline_sent_bytes
+        stats["bytes_inline_received"] = self.proxy.inline_received_bytes
+        stats["control_notes_sent"] = self.proxy.notes_sent
         return stats
 
     @property

@@ -1,26 +1,45 @@
 """The CPU proxy thread: owns the engine and runs the whole control plane of device-direct point-to-point.
 
 The training thread calls ``send``/``recv``, which enqueue and return a Future at once; only the proxy
-thread touches the engine. Two wire protocols, both one-sided writes into the receiver's registered memory:
+thread touches the engine. Three wire protocols, chosen by size (both sides agree on the rendezvous one):
 
-* **eager** (messages up to ``chunk`` bytes): the sender takes a credit (a free slot of the receive pool the
-  receiver registered for it), writes into that slot and notifies ``eager``; the receiver copies the slot into
-  the user's tensor (device to device) and returns the credit. A fast sender never overwrites unconsumed data.
-* **rendezvous** (larger messages): the sender notifies ``rts``; when the matching recv is posted the receiver
-  registers the user's tensor and answers ``rtr`` with its address; the sender writes it in ``chunk``-sized
-  pieces, ``window`` in flight so the transfers pipeline, then notifies ``fin``. The data lands in the user's
-  tensor directly: no copy at all.
+* **inline** (host tensors up to ``inline`` bytes, and empty messages): the payload rides in the engine's
+  notification itself (base64 in the JSON). One control message per message, no slot, no write: the
+  lowest latency the engine offers (its notification is one TCP exchange; a write plus a notification is two).
+  Never used for GPU memory, which would then bounce through the host.
+* **eager** (up to ``chunk`` bytes): the sender takes a credit (a free slot of the receive pool the receiver
+  registered for it), writes into that slot and notifies ``eager``; the receiver copies the slot into the
+  user's tensor (device to device) and owes the credit back. Owed credits ride on the next note to that peer
+  or, after a short delay (or when half the slots are owed), in a ``credit`` note of their own, so a
+  ping-pong pays no extra control message. A fast sender never overwrites data the receiver has not consumed.
+* **rendezvous** (larger messages): as soon as the recv is posted, the receiver registers the user's tensor
+  and sends ``rtr`` with its address (receiver first: no request-to-send round trip when the recv is posted
+  before the data is ready, as a pipeline does). The sender writes it in ``chunk``-sized pieces, ``window`` in
+  flight on separate engine connections so the transfers pipeline, then notifies ``fin``. The data lands in
+  the user's tensor directly: no copy at all. A sender that waits long for ``rtr`` sends ``rts`` with its
+  size, so a size mismatch fails both sides with the sizes named instead of timing out.
 
 Notifications are JSON (validated, never pickled). Messages between a pair are matched in order per tag by
-a sequence number, so arrival order of notifications does not matter. Every op has a deadline; peers with
-pending ops are probed, so a dead peer fails its ops within the timeout with a message that names it.
+a sequence number, so arrival order of notifications does not matter.
+
+The proxy never spins (a spinning thread takes the CPU the engine's own threads need). It sleeps in
+``select`` and is woken by a new op (a socket pair) or by the peer's **doorbell**: after every notification the
+sender rings the receiver's UDP doorbell with an empty datagram, because the engine offers no way to block
+until a notification arrives. The doorbell carries nothing (data and notes still move through the engine);
+a lost datagram only costs one backstop poll. While writes are in flight it naps, longer the longer they take.
+Every op has a deadline; peers with pending ops are probed, so a dead peer fails its ops within the timeout,
+naming it.
 """
 
 from __future__ import annotations
 
+import base64
 import collections
+import contextlib
 import json
 import queue
+import select
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -33,8 +52,14 @@ from bimetal.comm.base import TransportError, TransportTimeout
 from bimetal.comm.device_direct.engine import Engine, PeerFailedError, WriteStatus
 
 _PROBE_EVERY_S = 0.5
-_NOTE_FIELDS = {"eager": ("tag", "seq", "slot", "n"), "rts": ("tag", "seq", "n"), "fin": ("tag", "seq"),
-                "rtr": ("tag", "seq", "addr"), "credit": ("slot",)}
+_WRITE_NAP_S = 200e-6  # longest nap while eager writes (<= one chunk) are in flight
+_BULK_NAP_S = 1e-3  # longest nap while rendezvous writes are in flight: their end is >= 4 MiB away
+_NOTE_POLL_S = 2e-3  # backstop poll of the engine's notifications when only a doorbell can wake us
+_CREDIT_DELAY_S = 1e-3  # owed credits wait this long for a note to ride on before they get their own
+_RTS_AFTER_S = 1.0  # a rendezvous sender without rtr this long tells its size (size-mismatch diagnosis)
+_NOTE_FIELDS = {"inline": ("tag", "seq", "n"), "eager": ("tag", "seq", "slot", "n"), "rts": ("tag", "seq", "n"),
+                "fin": ("tag", "seq"), "rtr": ("tag", "seq", "n", "addr"), "nack": ("tag", "seq", "n"),
+                "credit": ()}
 
 
 def _location(t: torch.Tensor) -> str:
@@ -66,33 +91,54 @@ class _Op:
     pending: list[tuple[int, int]] = field(default_factory=list)  # (handle, nbytes) in flight
     addr: int = 0  # rendezvous: the receiver's registered address of the user tensor
     slot: int = -1
+    since: float = 0.0  # rendezvous sender: when it started waiting for rtr
+
+    @property
+    def key(self) -> tuple[int, int, int]:
+        return (self.peer, self.tag, self.seq)
 
 
 class Proxy:
     """One proxy thread per process group; ``close()`` joins it."""
 
-    def __init__(self, engine: Engine, rank: int, global_ranks: list[int], chunk: int = 4 << 20, slots: int = 4,
-                 window: int = 4, timeout: float = 300.0, device: torch.device | None = None) -> None:
+    def __init__(self, engine: Engine, rank: int, global_ranks: list[int], chunk: int = 4 << 20, slots: int = 8,
+                 window: int = 16, timeout: float = 300.0, device: torch.device | None = None,
+                 inline: int = 16 << 10, bell_host: str = "127.0.0.1") -> None:
         self.engine, self.rank, self.global_ranks = engine, rank, global_ranks
         self.chunk, self.nslots, self.window, self.timeout = chunk, slots, window, timeout
+        self.inline = min(inline, chunk)
         self.device = device or torch.device("cpu")
         self.staged_bytes = 0  # bytes bounced through host memory: none by construction, counted to prove it
         self.direct_bytes = 0  # bytes the engine wrote from our memory into a peer's without a host bounce
         self.landing_copy_bytes = 0  # eager bytes copied slot -> user tensor on the same device
+        self.inline_sent_bytes = 0  # host-tensor bytes that rode inside our notifications (not staged: no bounce)
+        self.inline_received_bytes = 0
         self.received_bytes = 0
+        self.notes_sent = 0  # control messages, for profiling (`comm_stats`)
         self._ops: queue.Queue[_Op | None] = queue.Queue()
         self._pools: dict[int, torch.Tensor] = {}
         self._remote: dict[int, int] = {}  # peer -> address of that peer's slot pool for us
         self._credits: dict[int, collections.deque[int]] = {}
+        self._owed: dict[int, list[int]] = collections.defaultdict(list)  # peer -> slots we consumed, not returned
+        self._owed_since: dict[int, float] = {}
         self._next_seq: dict[tuple[str, int, int], int] = collections.defaultdict(int)
         self._sends: list[_Op] = []
         self._recvs: dict[tuple[int, int, int], _Op] = {}
-        self._arrived: dict[tuple[int, int, int], dict[str, Any]] = {}  # (peer, tag, seq) -> eager/rts note
+        self._arrived: dict[tuple[int, int, int], dict[str, Any]] = {}  # (peer, tag, seq) -> inline/eager/rts note
+        self._rtr: dict[tuple[int, int, int], dict[str, Any]] = {}  # rtr/nack notes for sends not (yet) ready
         self._dead: dict[int, str] = {}
         self._last_probe = 0.0
         self._stop = threading.Event()
         self.error: BaseException | None = None
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._bell = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self._bell.bind((bell_host, 0))
+        self._bell.setblocking(False)
+        self.bell = (bell_host, self._bell.getsockname()[1])  # publish it: peers ring it after each note
+        self._bells: dict[int, tuple[str, int]] = {}
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
         self._thread = threading.Thread(target=self._run, name=f"bimetal-dd-proxy-{rank}", daemon=True)
 
     # -- set-up and API (training thread) -----------------------------------------------------------------
@@ -104,8 +150,11 @@ class Proxy:
         self._pools[peer] = pool
         return pool.data_ptr()
 
-    def connect(self, peer: int, endpoint: dict[str, Any], remote_pool: int) -> None:
+    def connect(self, peer: int, endpoint: dict[str, Any], remote_pool: int,
+                bell: tuple[str, int] | None = None) -> None:
         self.engine.connect(peer, endpoint)
+        if bell is not None:
+            self._bells[peer] = bell
         self._remote[peer] = remote_pool
         self._credits[peer] = collections.deque(range(self.nslots))
 
@@ -126,14 +175,23 @@ class Proxy:
         flat = tensor.reshape(-1).view(torch.uint8) if tensor.numel() else torch.empty(0, dtype=torch.uint8)
         op = _Op(kind, flat, peer, tag, what, fut, time.monotonic() + self.timeout, _ready_event(tensor))
         self._ops.put(op)
+        self._poke()
         return fut
+
+    def _poke(self) -> None:
+        # full (the proxy has wake-ups pending anyway) or closed (the proxy is gone): either way, nothing to do
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"\0")
 
     def close(self) -> None:
         """Stop and join the proxy thread (pending ops fail), then release registered memory and the engine."""
         self._stop.set()
         self._ops.put(None)
+        self._poke()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=30)
+        for sock in (self._bell, self._wake_r, self._wake_w):
+            sock.close()
         for pool in self._pools.values():
             self.engine.unregister(pool.data_ptr())
         self._pools.clear()
@@ -146,33 +204,62 @@ class Proxy:
     def _peer_name(self, peer: int) -> str:
         return f"peer rank {self.global_ranks[peer]} (group rank {peer})"
 
+    def _rendezvous(self, nbytes: int) -> bool:
+        # the one choice both sides must make alike, so it depends on the size alone
+        return nbytes > self.chunk
+
     # -- proxy thread --------------------------------------------------------------------------------------
 
     def _run(self) -> None:
         try:
-            idle = 0
+            last_busy = time.monotonic()
             while not self._stop.is_set():
-                if not (self._sends or self._recvs) and not self._wait_for_op():
-                    continue  # nothing to do: block instead of spinning (notes wait in the engine meanwhile)
                 busy = self._take_ops()
                 busy |= self._take_notes()
                 busy |= self._progress()
+                self._return_credits(force=False)
                 self._check_health()
-                idle = 0 if busy else idle + 1
-                # spin (yielding the GIL) while a reply is imminent, back off when the peer is slow
-                time.sleep(0 if idle < 200 else 0.0002)
+                now = time.monotonic()
+                if busy:
+                    last_busy = now
+                    continue
+                self._sleep(self._nap(now - last_busy))
         except BaseException as exc:  # a bug or a broken engine: every pending Work learns why
             self.error = exc
         self._fail_all(self.error or TransportError("the device-direct process group was shut down"))
 
-    def _wait_for_op(self) -> bool:
+    def _nap(self, idle: float) -> float:
+        """How long to sleep when nothing moved: a new op or a doorbell ends the sleep early anyway."""
+        if not (self._sends or self._recvs or self._owed):
+            return 0.05
+        nap = _NOTE_POLL_S
+        if self._owed:
+            nap = min(nap, _CREDIT_DELAY_S)
+        writing = [op for op in self._sends if op.pending]
+        waiting_gpu = any(op.state == "new" and op.ready is not None for op in self._sends + list(self._recvs.values()))
+        if writing or waiting_gpu:  # completions can only be polled: nap longer the longer they take
+            cap = _BULK_NAP_S if any(op.state == "writing" for op in writing) else _WRITE_NAP_S
+            nap = min(nap, cap, max(idle / 4, 20e-6))
+        return nap
+
+    def _sleep(self, timeout: float) -> None:
         try:
-            op = self._ops.get(timeout=0.05)
-        except queue.Empty:
-            return False
-        if op is not None:
-            self._admit(op)
-        return True
+            ready, _, _ = select.select([self._wake_r, self._bell], [], [], timeout)
+        except OSError:  # closed under us: the group is shutting down
+            return
+        for sock in ready:
+            try:
+                while sock.recv(4096) or sock is self._bell:  # doorbells are empty datagrams: drain them all
+                    pass
+            except OSError:  # drained (BlockingIOError) or closed
+                pass
+
+    def _ring(self, peer: int) -> None:
+        bell = self._bells.get(peer)
+        if bell is None:
+            return
+        with contextlib.suppress(OSError):  # a doorbell is a hint; the peer's backstop poll finds the note anyway
+            self._bell.sendto(b"", bell)
 
     def _take_ops(self) -> bool:
         busy = False
@@ -196,7 +283,9 @@ class Proxy:
         if op.kind == "send":
             self._sends.append(op)
         else:
-            self._recvs[(op.peer, op.tag, op.seq)] = op
+            self._recvs[op.key] = op
+
+    # -- notes ---------------------------------------------------------------------------------------------
 
     def _take_notes(self) -> bool:
         notes = self.engine.notifications()
@@ -205,23 +294,20 @@ class Proxy:
             if note is None:
                 continue
             peer, k = note["src"], note["k"]
-            if k == "credit":
-                self._credits[peer].append(note["slot"])
-            elif k == "rtr":
-                send = next((s for s in self._sends if (s.peer, s.tag, s.seq) == (peer, note["tag"], note["seq"])),
-                            None)
-                if send is not None and send.state == "rts":
-                    send.state, send.addr = "writing", note["addr"]
+            self._credits[peer].extend(note.get("cr", ()))
+            key: tuple[int, int, int] = (peer, note.get("tag", 0), note.get("seq", -1))  # credit notes have none
+            if k in ("rtr", "nack"):
+                self._rtr[key] = note  # picked up by the send (now, or when it is posted)
             elif k == "fin":
-                recv = self._recvs.pop((peer, note["tag"], note["seq"]), None)
+                recv = self._recvs.pop(key, None)
                 if recv is not None:
                     self.engine.unregister(recv.flat.data_ptr())
                     if self.engine.protocol == "tcp" and recv.flat.device.type != "cpu":
                         self.staged_bytes += recv.flat.numel()  # bounced through the host inside the engine
                     self.received_bytes += recv.flat.numel()
                     recv.fut.set_result(None)
-            else:  # eager or rts: wait for the matching recv
-                self._arrived[(peer, note["tag"], note["seq"])] = note
+            elif k != "credit":  # inline, eager or rts: wait for the matching recv
+                self._arrived[key] = note
         return bool(notes)
 
     def _parse(self, text: str) -> dict[str, Any] | None:
@@ -236,10 +322,38 @@ class Proxy:
             return None
         if note["src"] not in self._remote:
             return None
+        credits = note.get("cr", [])
+        if not isinstance(credits, list) or not all(isinstance(c, int) and 0 <= c < self.nslots for c in credits):
+            return None
+        if note["k"] == "inline" and not (isinstance(note.get("d"), str) and note["n"] <= self.inline):
+            return None
         return note
 
-    def _notify(self, peer: int, k: str, **fields: int) -> None:
-        self.engine.notify(peer, json.dumps({"k": k, "src": self.rank, **fields}))
+    def _notify(self, peer: int, k: str, **fields: Any) -> None:
+        note = {"k": k, "src": self.rank, **fields}
+        if self._owed.get(peer):  # owed credits ride along for free
+            note["cr"] = self._owed.pop(peer)
+            self._owed_since.pop(peer, None)
+        self.notes_sent += 1
+        self.engine.notify(peer, json.dumps(note))
+        self._ring(peer)
+
+    def _owe(self, peer: int, slot: int) -> None:
+        self._owed[peer].append(slot)
+        self._owed_since.setdefault(peer, time.monotonic())
+
+    def _return_credits(self, force: bool) -> None:
+        now = time.monotonic()
+        for peer in list(self._owed):
+            owed = self._owed[peer]
+            if force or 2 * len(owed) >= self.nslots or now - self._owed_since.get(peer, now) >= _CREDIT_DELAY_S:
+                try:
+                    self._notify(peer, "credit")
+                except PeerFailedError as exc:
+                    self._owed.pop(peer, None)
+                    self._peer_failed(peer, f"{self._peer_name(peer)} failed: {exc}")
+
+    # -- progress ------------------------------------------------------------------------------------------
 
     def _progress(self) -> bool:
         busy = False
@@ -248,10 +362,9 @@ class Proxy:
                 busy |= self._advance_send(op)
             except PeerFailedError as exc:
                 self._peer_failed(op.peer, f"{self._peer_name(op.peer)} failed: {exc}")
-        for key in [k for k in self._recvs if k in self._arrived]:
-            op = self._recvs[key]
+        for op in list(self._recvs.values()):
             try:
-                busy |= self._match_recv(op, self._arrived.pop(key))
+                busy |= self._advance_recv(op)
             except PeerFailedError as exc:
                 self._peer_failed(op.peer, f"{self._peer_name(op.peer)} failed: {exc}")
         return busy
@@ -261,19 +374,30 @@ class Proxy:
             if op.ready is not None and not op.ready.query():
                 return False
             nbytes = op.flat.numel()
-            if nbytes == 0 or (nbytes <= self.chunk and op.flat.device == self.device):
-                op.state = "eager"
+            if self._rendezvous(nbytes):
+                op.state, op.since = "wait-rtr", time.monotonic()
+            elif nbytes == 0 or (nbytes <= self.inline and op.flat.device.type == "cpu"):
+                return self._send_inline(op)
             else:
-                self._notify(op.peer, "rts", tag=op.tag, seq=op.seq, n=nbytes)
-                op.state = "rts"
+                op.state = "eager"
+        if op.state == "wait-rtr":
+            note = self._rtr.pop(op.key, None)
+            if note is None:
+                if time.monotonic() - op.since > _RTS_AFTER_S:
+                    self._notify(op.peer, "rts", tag=op.tag, seq=op.seq, n=op.flat.numel())
+                    op.since = float("inf")  # once
+                return False
+            if note["k"] == "nack" or note["n"] != op.flat.numel():
+                self._fail(op, TransportError(f"{op.what}: {self._peer_name(op.peer)} posted a recv of {note['n']} "
+                                              f"bytes but this send has {op.flat.numel()}"))
                 return True
+            op.state, op.addr = "writing", note["addr"]
         if op.state == "eager":
             if not self._credits[op.peer]:
                 return False
             op.slot = self._credits[op.peer].popleft()
-            if op.flat.numel():
-                remote = self._remote[op.peer] + op.slot * self.chunk
-                op.pending.append((self._post(op, remote, 0, op.flat.numel()), op.flat.numel()))
+            remote = self._remote[op.peer] + op.slot * self.chunk
+            op.pending.append((self._post(op, remote, 0, op.flat.numel()), op.flat.numel()))
             op.state = "eager-writing"
         if op.state == "writing":
             while len(op.pending) < self.window and op.off < op.flat.numel():
@@ -283,6 +407,14 @@ class Proxy:
         if op.state in ("writing", "eager-writing"):
             return self._poll_send(op)
         return False
+
+    def _send_inline(self, op: _Op) -> bool:
+        data = base64.b64encode(op.flat.detach().numpy().tobytes()).decode("ascii") if op.flat.numel() else ""
+        self._notify(op.peer, "inline", tag=op.tag, seq=op.seq, n=op.flat.numel(), d=data)
+        self.inline_sent_bytes += op.flat.numel()
+        self._sends.remove(op)
+        op.fut.set_result(None)
+        return True
 
     def _post(self, op: _Op, remote: int, off: int, n: int) -> int:
         local = op.flat.data_ptr() + off
@@ -308,7 +440,7 @@ class Proxy:
                 self._notify(op.peer, "eager", tag=op.tag, seq=op.seq, slot=op.slot, n=op.flat.numel())
             else:
                 self._notify(op.peer, "fin", tag=op.tag, seq=op.seq)
-            if self.engine.needs_source_registration and op.flat.numel():
+            if self.engine.needs_source_registration:
                 self.engine.unregister(op.flat.data_ptr())
             self._sends.remove(op)
             op.fut.set_result(None)
@@ -321,19 +453,46 @@ class Proxy:
         else:
             self.direct_bytes += n
 
+    def _advance_recv(self, op: _Op) -> bool:
+        if op.state == "new":
+            if op.ready is not None and not op.ready.query():
+                return False
+            if self._rendezvous(op.flat.numel()):  # receiver first: advertise the user's tensor right away
+                self.engine.register(op.flat.data_ptr(), op.flat.numel(), _location(op.flat))
+                op.state = "rtr"
+                self._notify(op.peer, "rtr", tag=op.tag, seq=op.seq, n=op.flat.numel(), addr=op.flat.data_ptr())
+                busy = True
+            else:
+                op.state, busy = "posted", False
+        else:
+            busy = False
+        note = self._arrived.pop(op.key, None)
+        if note is None:
+            return busy
+        return self._match_recv(op, note) or busy
+
     def _match_recv(self, op: _Op, note: dict[str, Any]) -> bool:
-        if op.ready is not None and not op.ready.query():
-            self._arrived[(op.peer, op.tag, op.seq)] = note
-            return False
         nbytes = op.flat.numel()
         if note["n"] != nbytes:
-            del self._recvs[(op.peer, op.tag, op.seq)]
-            op.fut.set_exception(TransportError(
+            self._fail(op, TransportError(
                 f"{op.what}: {self._peer_name(op.peer)} sent {note['n']} bytes but the recv tensor holds {nbytes}"))
             if note["k"] == "eager":
-                self._notify(op.peer, "credit", slot=note["slot"])
+                self._owe(op.peer, note["slot"])
+            elif note["k"] == "rts":
+                self._notify(op.peer, "nack", tag=op.tag, seq=op.seq, n=nbytes)
             return True
-        if note["k"] == "eager":
+        if note["k"] == "rts":  # sizes agree: our rtr is on its way (or was lost with a dead peer)
+            return False
+        if note["k"] == "inline":
+            if nbytes:
+                raw = base64.b64decode(note["d"], validate=True)
+                if len(raw) != nbytes:
+                    raise TransportError(f"{op.what}: a malformed inline message from {self._peer_name(op.peer)}")
+                op.flat.copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+                self.inline_received_bytes += nbytes
+                if op.flat.device.type != "cpu":
+                    self.staged_bytes += nbytes  # a host payload into GPU memory is host staging: say so
+        else:  # eager
             slot = note["slot"]
             if nbytes:
                 src = self._pools[op.peer][slot * self.chunk: slot * self.chunk + nbytes]
@@ -343,14 +502,10 @@ class Proxy:
                     self.staged_bytes += nbytes  # a CPU pool feeding a GPU tensor is host staging: say so
                 elif self.engine.protocol == "tcp" and src.device.type != "cpu":
                     self.staged_bytes += nbytes  # the engine's TCP receive path bounced it through the host
-            del self._recvs[(op.peer, op.tag, op.seq)]
-            self.received_bytes += nbytes
-            op.fut.set_result(None)  # before the credit goes back: the user's thread need not wait for it
-            self._notify(op.peer, "credit", slot=slot)
-        else:  # rts: let the sender write straight into the user's tensor
-            self.engine.register(op.flat.data_ptr(), nbytes, _location(op.flat))
-            op.state = "rtr"
-            self._notify(op.peer, "rtr", tag=op.tag, seq=op.seq, addr=op.flat.data_ptr())
+            self._owe(op.peer, slot)  # returned with the next note to the peer, or on its own shortly
+        del self._recvs[op.key]
+        self.received_bytes += nbytes
+        op.fut.set_result(None)
         return True
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -360,6 +515,8 @@ class Proxy:
         with torch.cuda.stream(self._stream):  # device to device on the proxy's own stream
             dst.copy_(src, non_blocking=True)
         self._stream.synchronize()
+
+    # -- health ------------------------------------------------------------------------------------------
 
     def _check_health(self) -> None:
         now = time.monotonic()
@@ -378,14 +535,16 @@ class Proxy:
 
     def _peer_failed(self, peer: int, reason: str) -> None:
         self._dead[peer] = reason
+        self._owed.pop(peer, None)
         for op in [o for o in self._sends + list(self._recvs.values()) if o.peer == peer]:
             self._fail(op, TransportError(f"{op.what}: {reason}"))
 
     def _fail(self, op: _Op, exc: BaseException) -> None:
         if op in self._sends:
             self._sends.remove(op)
-        self._recvs.pop((op.peer, op.tag, op.seq), None)
-        if op.state == "rtr":
+        if self._recvs.get(op.key) is op:
+            del self._recvs[op.key]
+        if op.kind == "recv" and op.state == "rtr":
             self.engine.unregister(op.flat.data_ptr())
         if not op.fut.done():
             op.fut.set_exception(exc)

@@ -240,12 +240,7 @@ class CpuForwardProcessGroup(BimetalProcessGroup):
             self.counters.add(bytes_sent=flat.numel() * flat.element_size(),
                               bytes_staged=flat.numel() * flat.element_size())
             return
-        data = flat.view(torch.uint8) if flat.dtype == torch.bool else flat
-        crc = self._crc(data) if self.checksum else None
-        if self._fault == "corrupt" and data.numel():
-            data = data.clone()
-            data.view(torch.uint8)[0] ^= 0xFF
-            self._fault = None
+        data, crc = self._payload(flat)
         nbytes = data.numel() * data.element_size()
         # Up to one chunk, a pooled copy lets the caller go on once the data is on the wire, while the worker
         # waits for the receiver's confirmation (and re-sends from the copy): pipeline traffic keeps its latency.
@@ -298,14 +293,19 @@ class CpuForwardProcessGroup(BimetalProcessGroup):
 
         self._transfer(("recv", src), src, tag, turn, len(io), d, len(io)).recv(io, verify, complete)
 
-    # --- K = 1 -----------------------------------------------------------------------------------------
-    def _send_host(self, flat: torch.Tensor, dst: int, tag: int, first: int, d: _Deadline) -> None:
+    def _payload(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The bytes a host send puts on the wire, with their CRC when checksums are on (and the test fault)."""
         data = flat.view(torch.uint8) if flat.dtype == torch.bool else flat
         crc = self._crc(data) if self.checksum else None
         if self._fault == "corrupt" and data.numel():
             data = data.clone()
             data.view(torch.uint8)[0] ^= 0xFF
             self._fault = None
+        return data, crc
+
+    # --- K = 1 -----------------------------------------------------------------------------------------
+    def _send_host(self, flat: torch.Tensor, dst: int, tag: int, first: int, d: _Deadline) -> None:
+        data, crc = self._payload(flat)
         plan = self._plan(data.numel(), data.element_size(), first)
         works = [self.stripes[s].send([data[a:b]], dst, tag) for a, b, s in plan]
         if crc is not None:

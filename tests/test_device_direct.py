@@ -243,7 +243,8 @@ def test_killed_peer_fails_the_survivor_naming_it(tmp_path: Path) -> None:
     survivor = verdicts[0]
     assert survivor["ok"], survivor
     assert "peer rank 1" in survivor["error"] and "recv" in survivor["error"], survivor["error"]
-    assert survivor["seconds"] < 8 + 2, survivor
+    # the dead process's control connection ends, so the survivor knows at once, not at the 8 s timeout
+    assert survivor["seconds"] < 3, survivor
     assert survivor["alive_after"] is False
 
 

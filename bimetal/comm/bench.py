@@ -46,7 +46,8 @@ def parse_size(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bimetal bench comm", description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default=DEFAULT_SIZES, help=f"message sizes (default {DEFAULT_SIZES})")
-    p.add_argument("--iters", type=int, default=5, help="timed deliveries per size and variant")
+    p.add_argument("--iters", type=int, default=5,
+                   help="timed deliveries per size and variant (at least 200 for sizes up to 64 KiB)")
     p.add_argument("--stripes", default="1,2", help="cpu-forward stripe counts to compare, e.g. 1,2,4")
     p.add_argument("--ifaces", default="lo", help="interfaces, one per stripe, reused round robin (default lo)")
     p.add_argument("--transports", default="gloo,cpu-forward",
@@ -120,6 +121,9 @@ def _groups(args: argparse.Namespace, stripes: list[int], transports: list[str],
     return groups
 
 
+_SMALL, _SMALL_ITERS = 64 << 10, 200
+
+
 def _deliver(group: object, buf: object, ack: object, rank: int) -> float:
     start = time.perf_counter()
     if rank == 0:
@@ -149,7 +153,8 @@ def _run(args: argparse.Namespace, sizes: list[int], stripes: list[int], transpo
         buf = torch.ones(size // 4)
         for g in groups.values():  # warm-up: connections, pools
             _deliver(g, buf, ack, rank)
-        for _ in range(args.iters):
+        # small messages are cheap and their medians (latency) are noisy: at least _SMALL_ITERS samples each
+        for _ in range(args.iters if size > _SMALL else max(args.iters, _SMALL_ITERS)):
             for name, g in groups.items():
                 samples[name][size].append(_deliver(g, buf, ack, rank))
     dist.barrier()

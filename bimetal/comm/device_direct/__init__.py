@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 _FALLBACKS = ("error", "cpu-forward")
 
 
-_MAX_INLINE = 256 << 10  # base64 of it stays well inside Mooncake's 1 MiB notification limit
+_MAX_INLINE = 256 << 10  # the largest payload a control frame may carry
 
 
 def default_host(local_rank: int | None = None, nics: list[Any] | None = None) -> str:

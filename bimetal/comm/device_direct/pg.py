@@ -1,10 +1,11 @@
 """``bimetal_device_direct``: the process group whose point-to-point data moves by one-sided engine writes.
 
 The training thread only enqueues (``send``/``recv`` return a Work at once); the proxy thread (``proxy.py``)
-owns the engine. Endpoint metadata and receive-pool addresses are exchanged over the group's store as JSON,
-validated field by field. Pipeline parallelism needs send/recv/isend/irecv/batch_isend_irecv; the few
-collectives the trainer runs on a pp group (loss broadcast, grad-norm all-reduce, barrier) are built from the
-same point-to-point messages with reserved tags.
+owns the engine. Endpoint metadata, receive-pool addresses and the control-channel address are exchanged over
+the group's store as JSON, validated field by field; then the proxies open their control connections.
+Pipeline parallelism needs send/recv/isend/irecv/batch_isend_irecv; the few collectives the trainer runs on a
+pp group (loss broadcast, grad-norm all-reduce, barrier) are built from the same point-to-point messages with
+reserved tags.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ class DeviceDirectOptions:
     window: int = 16
     """Rendezvous writes in flight per message (each on its own engine connection over TCP)."""
     inline_bytes: int = 16 << 10
-    """Host-tensor messages up to this size ride inside the notification (0: never)."""
+    """Host-tensor messages up to this size ride inside the control note (0: never)."""
     fallback: str = "error"
     """When the engine cannot start: ``error`` (fail with the reason) or ``cpu-forward`` (warn and use it)."""
 
@@ -64,6 +65,10 @@ def _read(store: dist.Store, peer: int) -> dict[str, Any]:
     if record["ok"]:
         pools, ep = record.get("pools"), record.get("endpoint")
         shape = (record.get("chunk_bytes"), record.get("slots"))
+        control = record.get("control")
+        if not isinstance(control, dict) or not isinstance(control.get("host"), str) or not isinstance(
+                control.get("port"), int) or not isinstance(control.get("token"), str):
+            raise TransportError(f"malformed device-direct control address from group rank {peer}: {control!r}")
         if not isinstance(ep, dict) or not isinstance(pools, dict) or not all(isinstance(v, int) for v in shape):
             raise TransportError(f"malformed device-direct record from group rank {peer}: {record!r}")
         if not all(k.isdigit() and isinstance(v, int) and v > 0 for k, v in pools.items()):
@@ -88,7 +93,8 @@ class DeviceDirectProcessGroup(BimetalProcessGroup):
         pools = {str(p): self.proxy.add_peer(p) for p in peers}
         _publish(store, rank, {"ok": True, "endpoint": engine.endpoint(), "pools": pools,
                                "chunk_bytes": opts.chunk_bytes, "slots": opts.slots, "inline": opts.inline_bytes,
-                               "bell": list(self.proxy.bell)})
+                               "control": self.proxy.control.address})
+        controls = {}
         for p in peers:
             record = _read(store, p)
             if not record["ok"]:
@@ -101,10 +107,9 @@ class DeviceDirectProcessGroup(BimetalProcessGroup):
                                      "set the same BIMETAL_DD_CHUNK_BYTES/_SLOTS/_INLINE_BYTES on every rank")
             if str(rank) not in record["pools"]:
                 raise TransportError(f"group rank {p} published no receive pool for group rank {rank}")
-            bell = record.get("bell")
-            doorbell = (bell[0], bell[1]) if isinstance(bell, list) and len(bell) == 2 and isinstance(
-                bell[0], str) and isinstance(bell[1], int) else None  # without one, the peer's notes are polled
-            self.proxy.connect(p, record["endpoint"], record["pools"][str(rank)], doorbell)
+            self.proxy.connect(p, record["endpoint"], record["pools"][str(rank)])
+            controls[p] = record["control"]
+        self.proxy.control.connect(controls, timeout.total_seconds())
         self.proxy.start()
         # backstop: the proxy never outlives the group, not even when nobody calls destroy_process_group
         self._finalizer = weakref.finalize(self, Proxy.close, self.proxy)

@@ -3,10 +3,10 @@
 The training thread calls ``send``/``recv``, which enqueue and return a Future at once; only the proxy
 thread touches the engine. Three wire protocols, chosen by size (both sides agree on the rendezvous one):
 
-* **inline** (host tensors up to ``inline`` bytes, and empty messages): the payload rides in the engine's
-  notification itself (base64 in the JSON). One control message per message, no slot, no write: the
-  lowest latency the engine offers (its notification is one TCP exchange; a write plus a notification is two).
-  Never used for GPU memory, which would then bounce through the host.
+* **inline** (host tensors up to ``inline`` bytes, and empty messages): the payload rides in the note itself,
+  on the control channel. One control message per message, no slot, no write: the lowest latency there is
+  (an engine write plus a note is two exchanges). Never used for GPU memory, which would then bounce through
+  the host.
 * **eager** (up to ``chunk`` bytes): the sender takes a credit (a free slot of the receive pool the receiver
   registered for it), writes into that slot and notifies ``eager``; the receiver copies the slot into the
   user's tensor (device to device) and owes the credit back. Owed credits ride on the next note to that peer
@@ -19,24 +19,21 @@ thread touches the engine. Three wire protocols, chosen by size (both sides agre
   the user's tensor directly: no copy at all. A sender that waits long for ``rtr`` sends ``rts`` with its
   size, so a size mismatch fails both sides with the sizes named instead of timing out.
 
-Notifications are JSON (validated, never pickled). Messages between a pair are matched in order per tag by
-a sequence number, so arrival order of notifications does not matter.
+Notes are JSON (validated, never pickled) on the proxy's own persistent control connections (``control.py``;
+the engine's notification opens a new connection per message, too slow for a pipeline's small messages).
+Messages between a pair are matched in order per tag by a sequence number.
 
 The proxy never spins (a spinning thread takes the CPU the engine's own threads need). It sleeps in
-``select`` and is woken by a new op (a socket pair) or by the peer's **doorbell**: after every notification the
-sender rings the receiver's UDP doorbell with an empty datagram, because the engine offers no way to block
-until a notification arrives. The doorbell carries nothing (data and notes still move through the engine);
-a lost datagram only costs one backstop poll. While writes are in flight it naps, longer the longer they take.
-Every op has a deadline; peers with pending ops are probed, so a dead peer fails its ops within the timeout,
-naming it.
+``select``, woken by a new op (a socket pair) or a note from a peer (its control connection). While writes are
+in flight it naps, longer the longer they take, because the engine's completions can only be polled.
+Every op has a deadline; a peer whose control connection ends fails its ops at once, and peers with pending
+ops are probed through the engine, so a dead peer fails its ops within the timeout, naming it.
 """
 
 from __future__ import annotations
 
-import base64
 import collections
 import contextlib
-import json
 import queue
 import select
 import socket
@@ -49,12 +46,13 @@ import torch
 from torch.futures import Future
 
 from bimetal.comm.base import TransportError, TransportTimeout
+from bimetal.comm.device_direct.control import ControlChannel
 from bimetal.comm.device_direct.engine import Engine, PeerFailedError, WriteStatus
 
 _PROBE_EVERY_S = 0.5
 _WRITE_NAP_S = 200e-6  # longest nap while eager writes (<= one chunk) are in flight
 _BULK_NAP_S = 1e-3  # longest nap while rendezvous writes are in flight: their end is >= 4 MiB away
-_NOTE_POLL_S = 2e-3  # backstop poll of the engine's notifications when only a doorbell can wake us
+_IDLE_NAP_S = 0.05  # longest sleep while only notes can move things (a note wakes the proxy at once)
 _CREDIT_DELAY_S = 1e-3  # owed credits wait this long for a note to ride on before they get their own
 _RTS_AFTER_S = 1.0  # a rendezvous sender without rtr this long tells its size (size-mismatch diagnosis)
 _NOTE_FIELDS = {"inline": ("tag", "seq", "n"), "eager": ("tag", "seq", "slot", "n"), "rts": ("tag", "seq", "n"),
@@ -103,7 +101,7 @@ class Proxy:
 
     def __init__(self, engine: Engine, rank: int, global_ranks: list[int], chunk: int = 4 << 20, slots: int = 8,
                  window: int = 16, timeout: float = 300.0, device: torch.device | None = None,
-                 inline: int = 16 << 10, bell_host: str = "127.0.0.1") -> None:
+                 inline: int = 16 << 10, host: str = "127.0.0.1") -> None:
         self.engine, self.rank, self.global_ranks = engine, rank, global_ranks
         self.chunk, self.nslots, self.window, self.timeout = chunk, slots, window, timeout
         self.inline = min(inline, chunk)
@@ -131,14 +129,11 @@ class Proxy:
         self._stop = threading.Event()
         self.error: BaseException | None = None
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self._bell = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self._bell.bind((bell_host, 0))
-        self._bell.setblocking(False)
-        self.bell = (bell_host, self._bell.getsockname()[1])  # publish it: peers ring it after each note
-        self._bells: dict[int, tuple[str, int]] = {}
+        self.control = ControlChannel(host, rank, self.inline)  # publish .address; connect before start()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
+        self._lock = threading.Lock()  # sequence numbers and control sends: the caller's thread sends inline notes
         self._thread = threading.Thread(target=self._run, name=f"bimetal-dd-proxy-{rank}", daemon=True)
 
     # -- set-up and API (training thread) -----------------------------------------------------------------
@@ -150,11 +145,8 @@ class Proxy:
         self._pools[peer] = pool
         return pool.data_ptr()
 
-    def connect(self, peer: int, endpoint: dict[str, Any], remote_pool: int,
-                bell: tuple[str, int] | None = None) -> None:
+    def connect(self, peer: int, endpoint: dict[str, Any], remote_pool: int) -> None:
         self.engine.connect(peer, endpoint)
-        if bell is not None:
-            self._bells[peer] = bell
         self._remote[peer] = remote_pool
         self._credits[peer] = collections.deque(range(self.nslots))
 
@@ -174,6 +166,14 @@ class Proxy:
             return fut
         flat = tensor.reshape(-1).view(torch.uint8) if tensor.numel() else torch.empty(0, dtype=torch.uint8)
         op = _Op(kind, flat, peer, tag, what, fut, time.monotonic() + self.timeout, _ready_event(tensor))
+        with self._lock:
+            key = (kind, peer, tag)
+            op.seq = self._next_seq[key]
+            self._next_seq[key] += 1
+            if kind == "send" and peer not in self._dead and (
+                    flat.numel() == 0 or (flat.numel() <= self.inline and flat.device.type == "cpu")):
+                self._send_inline(op)  # on the caller's thread: the note goes out now, one thread hop less
+                return fut
         self._ops.put(op)
         self._poke()
         return fut
@@ -190,7 +190,8 @@ class Proxy:
         self._poke()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=30)
-        for sock in (self._bell, self._wake_r, self._wake_w):
+        self.control.close()  # flushes the notes of completed sends first
+        for sock in (self._wake_r, self._wake_w):
             sock.close()
         for pool in self._pools.values():
             self.engine.unregister(pool.data_ptr())
@@ -231,8 +232,8 @@ class Proxy:
     def _nap(self, idle: float) -> float:
         """How long to sleep when nothing moved: a new op or a doorbell ends the sleep early anyway."""
         if not (self._sends or self._recvs or self._owed):
-            return 0.05
-        nap = _NOTE_POLL_S
+            return _IDLE_NAP_S
+        nap = _IDLE_NAP_S
         if self._owed:
             nap = min(nap, _CREDIT_DELAY_S)
         writing = [op for op in self._sends if op.pending]
@@ -244,22 +245,20 @@ class Proxy:
 
     def _sleep(self, timeout: float) -> None:
         try:
-            ready, _, _ = select.select([self._wake_r, self._bell], [], [], timeout)
+            readable, writable, _ = select.select([self._wake_r, *self.control.readers()], self.control.writers(),
+                                                  [], timeout)
         except OSError:  # closed under us: the group is shutting down
             return
-        for sock in ready:
-            try:
-                while sock.recv(4096) or sock is self._bell:  # doorbells are empty datagrams: drain them all
+        for sock in writable:
+            with self._lock:
+                self.control.on_ready(sock, readable=False)
+        for sock in readable:
+            if sock is not self._wake_r:
+                self.control.on_ready(sock, readable=True)
+                continue
+            with contextlib.suppress(OSError):  # drained (BlockingIOError) or closed
+                while sock.recv(4096):
                     pass
-            except OSError:  # drained (BlockingIOError) or closed
-                pass
-
-    def _ring(self, peer: int) -> None:
-        bell = self._bells.get(peer)
-        if bell is None:
-            return
-        with contextlib.suppress(OSError):  # a doorbell is a hint; the peer's backstop poll finds the note anyway
-            self._bell.sendto(b"", bell)
 
     def _take_ops(self) -> bool:
         busy = False
@@ -277,9 +276,6 @@ class Proxy:
         if op.peer in self._dead:
             op.fut.set_exception(TransportError(f"{op.what}: {self._dead[op.peer]}"))
             return
-        key = (op.kind, op.peer, op.tag)
-        op.seq = self._next_seq[key]
-        self._next_seq[key] += 1
         if op.kind == "send":
             self._sends.append(op)
         else:
@@ -288,12 +284,12 @@ class Proxy:
     # -- notes ---------------------------------------------------------------------------------------------
 
     def _take_notes(self) -> bool:
-        notes = self.engine.notifications()
-        for text in notes:
-            note = self._parse(text)
+        frames = self.control.take()
+        for peer, raw, payload in frames:
+            note = self._parse(peer, raw, payload)
             if note is None:
                 continue
-            peer, k = note["src"], note["k"]
+            k = note["k"]
             self._credits[peer].extend(note.get("cr", ()))
             key: tuple[int, int, int] = (peer, note.get("tag", 0), note.get("seq", -1))  # credit notes have none
             if k in ("rtr", "nack"):
@@ -308,35 +304,41 @@ class Proxy:
                     recv.fut.set_result(None)
             elif k != "credit":  # inline, eager or rts: wait for the matching recv
                 self._arrived[key] = note
-        return bool(notes)
+        for peer, reason in list(self.control.closed.items()):
+            if peer not in self._dead:
+                self._peer_failed(peer, f"{self._peer_name(peer)} failed: {reason}")
+        return bool(frames)
 
-    def _parse(self, text: str) -> dict[str, Any] | None:
-        try:
-            note = json.loads(text)
-        except ValueError:
+    def _parse(self, peer: int, note: dict[str, Any], payload: bytes) -> dict[str, Any] | None:
+        if note.get("k") not in _NOTE_FIELDS or peer not in self._remote:
             return None
-        if not isinstance(note, dict) or note.get("k") not in _NOTE_FIELDS:
-            return None
-        fields = ("src",) + _NOTE_FIELDS[note["k"]]
+        fields = _NOTE_FIELDS[note["k"]]
         if not all(isinstance(note.get(f), int) and not isinstance(note.get(f), bool) for f in fields):
             return None
-        if note["src"] not in self._remote:
-            return None
+        note["payload"] = payload
         credits = note.get("cr", [])
         if not isinstance(credits, list) or not all(isinstance(c, int) and 0 <= c < self.nslots for c in credits):
             return None
-        if note["k"] == "inline" and not (isinstance(note.get("d"), str) and note["n"] <= self.inline):
-            return None
+        if len(payload) != (note["n"] if note["k"] == "inline" else 0):
+            return None  # a payload belongs to an inline note, and is exactly its size
         return note
 
-    def _notify(self, peer: int, k: str, **fields: Any) -> None:
-        note = {"k": k, "src": self.rank, **fields}
-        if self._owed.get(peer):  # owed credits ride along for free
+    def _notify(self, peer: int, k: str, payload: bytes = b"", **fields: Any) -> None:
+        """Send a note from the proxy thread; owed credits ride along for free."""
+        note = {"k": k, **fields}
+        if self._owed.get(peer):
             note["cr"] = self._owed.pop(peer)
             self._owed_since.pop(peer, None)
+        with self._lock:
+            self._send_note(peer, note, payload)
+
+    def _send_note(self, peer: int, note: dict[str, Any], payload: bytes) -> None:
+        # (the caller holds self._lock)
         self.notes_sent += 1
-        self.engine.notify(peer, json.dumps(note))
-        self._ring(peer)
+        try:
+            self.control.send(peer, note, payload)
+        except TransportError as exc:
+            raise PeerFailedError(str(exc)) from exc
 
     def _owe(self, peer: int, slot: int) -> None:
         self._owed[peer].append(slot)
@@ -376,9 +378,7 @@ class Proxy:
             nbytes = op.flat.numel()
             if self._rendezvous(nbytes):
                 op.state, op.since = "wait-rtr", time.monotonic()
-            elif nbytes == 0 or (nbytes <= self.inline and op.flat.device.type == "cpu"):
-                return self._send_inline(op)
-            else:
+            else:  # (inline sends never get here: the caller's thread sent them)
                 op.state = "eager"
         if op.state == "wait-rtr":
             note = self._rtr.pop(op.key, None)
@@ -408,13 +408,19 @@ class Proxy:
             return self._poll_send(op)
         return False
 
-    def _send_inline(self, op: _Op) -> bool:
-        data = base64.b64encode(op.flat.detach().numpy().tobytes()).decode("ascii") if op.flat.numel() else ""
-        self._notify(op.peer, "inline", tag=op.tag, seq=op.seq, n=op.flat.numel(), d=data)
+    def _send_inline(self, op: _Op) -> None:
+        """The whole of an inline send, on the caller's thread under ``self._lock``: the payload rides in the note,
+        which the control channel queues and pushes at once (``close()`` flushes what the socket did not take)."""
+        data = op.flat.detach().numpy().tobytes() if op.flat.numel() else b""
+        try:
+            self._send_note(op.peer, {"k": "inline", "tag": op.tag, "seq": op.seq, "n": op.flat.numel()}, data)
+        except PeerFailedError as exc:
+            op.fut.set_exception(TransportError(f"{op.what}: {self._peer_name(op.peer)} failed: {exc}"))
+            return
         self.inline_sent_bytes += op.flat.numel()
-        self._sends.remove(op)
+        if self.control.writers():
+            self._poke()  # the socket did not take it all: the proxy pushes the rest when it is writable
         op.fut.set_result(None)
-        return True
 
     def _post(self, op: _Op, remote: int, off: int, n: int) -> int:
         local = op.flat.data_ptr() + off
@@ -485,10 +491,7 @@ class Proxy:
             return False
         if note["k"] == "inline":
             if nbytes:
-                raw = base64.b64decode(note["d"], validate=True)
-                if len(raw) != nbytes:
-                    raise TransportError(f"{op.what}: a malformed inline message from {self._peer_name(op.peer)}")
-                op.flat.copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+                op.flat.copy_(torch.frombuffer(bytearray(note["payload"]), dtype=torch.uint8))
                 self.inline_received_bytes += nbytes
                 if op.flat.device.type != "cpu":
                     self.staged_bytes += nbytes  # a host payload into GPU memory is host staging: say so

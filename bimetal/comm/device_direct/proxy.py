@@ -50,8 +50,9 @@ from bimetal.comm.device_direct.control import ControlChannel
 from bimetal.comm.device_direct.engine import Engine, PeerFailedError, WriteStatus
 
 _PROBE_EVERY_S = 0.5
-_WRITE_NAP_S = 200e-6  # longest nap while eager writes (<= one chunk) are in flight
-_BULK_NAP_S = 1e-3  # longest nap while rendezvous writes are in flight: their end is >= 4 MiB away
+_WRITE_NAP_S = 200e-6  # least cap on the poll interval while eager writes (<= one chunk) are in flight
+_BULK_NAP_S = 1e-3  # least cap while rendezvous writes are in flight: their end is >= 4 MiB away
+_LATE_SHARE = 1 / 32  # past its expected end, a write is polled every 1/32 of its expected time (or the cap)
 _IDLE_NAP_S = 0.05  # longest sleep while only notes can move things (a note wakes the proxy at once)
 _CREDIT_DELAY_S = 1e-3  # owed credits wait this long for a note to ride on before they get their own
 _RTS_AFTER_S = 1.0  # a rendezvous sender without rtr this long tells its size (size-mismatch diagnosis)
@@ -86,7 +87,7 @@ class _Op:
     seq: int = -1
     state: str = "new"
     off: int = 0  # rendezvous sender: bytes posted
-    pending: list[tuple[int, int]] = field(default_factory=list)  # (handle, nbytes) in flight
+    pending: list[tuple[int, int]] = field(default_factory=list)  # (handle, nbytes) in flight, oldest first
     addr: int = 0  # rendezvous: the receiver's registered address of the user tensor
     slot: int = -1
     since: float = 0.0  # rendezvous sender: when it started waiting for rtr
@@ -125,6 +126,9 @@ class Proxy:
         self._arrived: dict[tuple[int, int, int], dict[str, Any]] = {}  # (peer, tag, seq) -> inline/eager/rts note
         self._rtr: dict[tuple[int, int, int], dict[str, Any]] = {}  # rtr/nack notes for sends not (yet) ready
         self._dead: dict[int, str] = {}
+        self._rate: dict[int, float] = {}  # peer -> measured write rate (bytes/s), to pace the polls
+        self._since: dict[int, float] = {}  # peer -> start of the current busy period, or last completion
+        self._done: dict[int, int] = collections.defaultdict(int)  # bytes completed this round, per peer
         self._last_probe = 0.0
         self._stop = threading.Event()
         self.error: BaseException | None = None
@@ -230,7 +234,7 @@ class Proxy:
         self._fail_all(self.error or TransportError("the device-direct process group was shut down"))
 
     def _nap(self, idle: float) -> float:
-        """How long to sleep when nothing moved: a new op or a doorbell ends the sleep early anyway."""
+        """How long to sleep when nothing moved: a new op or a note ends the sleep early anyway."""
         if not (self._sends or self._recvs or self._owed):
             return _IDLE_NAP_S
         nap = _IDLE_NAP_S
@@ -238,10 +242,24 @@ class Proxy:
             nap = min(nap, _CREDIT_DELAY_S)
         writing = [op for op in self._sends if op.pending]
         waiting_gpu = any(op.state == "new" and op.ready is not None for op in self._sends + list(self._recvs.values()))
-        if writing or waiting_gpu:  # completions can only be polled: nap longer the longer they take
-            cap = _BULK_NAP_S if any(op.state == "writing" for op in writing) else _WRITE_NAP_S
-            nap = min(nap, cap, max(idle / 4, 20e-6))
+        if waiting_gpu:
+            nap = min(nap, _WRITE_NAP_S, max(idle / 4, 20e-6))
+        for op in writing:  # completions can only be polled, and each poll costs CPU the engine needs
+            nap = min(nap, self._write_nap(op, idle))
         return nap
+
+    def _write_nap(self, op: _Op, idle: float) -> float:
+        """Sleep until the oldest write of ``op`` is due by the link rate measured so far (half its expected
+        time, to be safe), then poll with a back-off capped at a small share of that time: a write that takes
+        200 ms on a slow link is polled a few dozen times, not a thousand (on 2 cores the polls were what made
+        device-direct slower than cpu-forward there), and one that takes 200 us is not left waiting."""
+        now = time.monotonic()
+        expected = op.pending[0][1] / self._rate[op.peer] if op.peer in self._rate else 0.0
+        due = self._since[op.peer] + expected / 2
+        if due > now:
+            return due - now
+        cap = max(_BULK_NAP_S if op.state == "writing" else _WRITE_NAP_S, expected * _LATE_SHARE)
+        return min(cap, max(idle / 4, 20e-6))
 
     def _sleep(self, timeout: float) -> None:
         try:
@@ -364,6 +382,7 @@ class Proxy:
                 busy |= self._advance_send(op)
             except PeerFailedError as exc:
                 self._peer_failed(op.peer, f"{self._peer_name(op.peer)} failed: {exc}")
+        self._measure_links()
         for op in list(self._recvs.values()):
             try:
                 busy |= self._advance_recv(op)
@@ -423,6 +442,8 @@ class Proxy:
         op.fut.set_result(None)
 
     def _post(self, op: _Op, remote: int, off: int, n: int) -> int:
+        if not any(o.pending for o in self._sends if o.peer == op.peer):
+            self._since[op.peer] = time.monotonic()  # the link to the peer starts a busy period now
         local = op.flat.data_ptr() + off
         if self.engine.needs_source_registration and off == 0:
             self.engine.register(op.flat.data_ptr(), op.flat.numel(), _location(op.flat))
@@ -438,6 +459,7 @@ class Proxy:
             if status is WriteStatus.FAILED:
                 raise PeerFailedError(f"a {n}-byte write to it did not complete")
             self._count(op.flat, n)
+            self._done[op.peer] += n
             busy = True
         op.pending = still
         done = not still and (op.state == "eager-writing" or op.off >= op.flat.numel())
@@ -451,6 +473,16 @@ class Proxy:
             self._sends.remove(op)
             op.fut.set_result(None)
         return busy or done
+
+    def _measure_links(self) -> None:
+        """Bytes that completed per busy second to each peer: a moving average of the link's write rate."""
+        now = time.monotonic()
+        for peer, n in self._done.items():
+            if n:
+                sample = n / max(now - self._since[peer], 1e-6)
+                self._rate[peer] = 0.7 * self._rate[peer] + 0.3 * sample if peer in self._rate else sample
+                self._since[peer] = now
+        self._done.clear()
 
     def _count(self, t: torch.Tensor, n: int) -> None:
         # Mooncake's TCP transport bounces GPU memory through host buffers inside the engine: that is staging

@@ -234,10 +234,13 @@ class LabCluster:
         return [*cmd, *rank_argv] if rank_argv[0] != "-m" else [*cmd, "--module", *rank_argv[1:]]
 
     def run(self, rank_argv: Sequence[str], timeout: float = 600, extra_env: dict[str, str] | None = None,
-            capture: bool = False, master_port: int = MASTER_PORT) -> list[NodeResult]:
+            capture: bool = False, master_port: int = MASTER_PORT, grace: float = 60.0) -> list[NodeResult]:
         """Run ``rank_argv`` (a script or ``-m module`` plus args) as the ranks of every node; wait for all.
 
-        On timeout or interrupt every node's process group is killed. A node's status is its torchrun's.
+        On timeout or interrupt every node's process group is killed (status 124). Once a node fails, the
+        others get ``grace`` seconds to notice and say so themselves (their transports' timeouts), then they
+        are killed too (status 124, a line in the captured output says why): a failed job never holds the lab
+        for the whole ``timeout``. A node's status is otherwise its torchrun's.
         """
         if not self.is_up:
             raise UserError("the lab is not up; call up() (or use 'with LabCluster(spec) as lab')")
@@ -257,15 +260,21 @@ class LabCluster:
                 procs.append((n.name, proc, log))
             deadline = time.monotonic() + timeout
             codes: dict[str, int] = {}
+            why: dict[str, str] = {}
+            reason = f"the run exceeded its {timeout:g} s timeout"
             while len(codes) < len(procs):
                 for name, proc, _ in procs:
                     if name not in codes and proc.poll() is not None:
                         codes[name] = proc.returncode
+                        if proc.returncode != 0 and sum(c != 0 for c in codes.values()) == 1:  # the first failure
+                            deadline = min(deadline, time.monotonic() + grace)
+                            reason = f"node {name} failed (exit {proc.returncode}); it did not end within {grace:g} s"
                 if len(codes) < len(procs) and time.monotonic() > deadline:
                     for name, proc, _ in procs:
                         if name not in codes:
                             _kill_group(proc)
                             codes[name] = 124
+                            why[name] = reason
                     break
                 time.sleep(0.05)
         finally:
@@ -275,6 +284,10 @@ class LabCluster:
         results = []
         for name, _, log in procs:
             text = log.read_text(errors="replace") if capture and log.exists() else ""
+            if name in why:
+                text += f"\n[bimetal lab] node {name} was killed: {why[name]}\n"
+                if not capture:
+                    print(f"bimetal lab: node {name} was killed: {why[name]}", file=sys.stderr, flush=True)
             results.append(NodeResult(name, codes.get(name, 130), text))
         for f in logdir.iterdir():
             f.unlink()

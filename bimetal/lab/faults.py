@@ -1,13 +1,16 @@
 """Link and speed faults injected into a running lab, for the reliability work.
 
 Every fault is a plain function on a ``LabCluster`` that takes effect at once, while a job runs:
-take a NIC down or up, change a NIC's rate, add latency or loss (these two need the kernel's netem
-qdisc; without it they raise ``LabError`` saying so), or slow a rank by changing its CPU quota.
+take a NIC down or up, change a NIC's rate, add latency (needs the kernel's netem qdisc; without it
+``LabError`` says so), add packet loss (netem where the kernel has it, else an iptables ``statistic`` rule on
+the receiving nodes, so a lost packet is really lost and TCP retransmits it), or slow a rank by changing its
+CPU quota.
 ``injected(...)`` applies a fault for the length of a ``with`` block and then undoes it.
 """
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
@@ -57,7 +60,10 @@ def set_link(lab: LabCluster, node: str, nic: int, rate_mbit: float | None = Non
 
 
 def add_loss(lab: LabCluster, node: str, nic: int, percent: float) -> None:
-    """Drop ``percent`` % of packets leaving the node on this NIC (netem loss below the rate limit)."""
+    """Drop ``percent`` % of packets leaving the node on this NIC (netem loss below the rate limit where the
+    kernel has netem; else iptables rules on every other node drop that share of what arrives from it)."""
+    if not 0 < percent <= 100:
+        raise net.LabError(f"loss percent must be in (0, 100], not {percent:g}")
     spec = lab.spec.nodes[lab.node_index(node)]
     ns, dev = _ends(lab, node, nic)[0]
     net.sh(["tc", "qdisc", "del", "dev", dev, "root"], ns=ns, check=False)
@@ -66,16 +72,39 @@ def add_loss(lab: LabCluster, node: str, nic: int, percent: float) -> None:
                 "delay", f"{spec.latency_ms / 2:g}ms"], ns=ns)
     except net.LabError:
         net.shape(ns, dev, spec.rate_mbit, spec.latency_ms / 2)
-        raise net.LabError(
-            "this kernel has no netem qdisc (sch_netem), so links cannot drop packets; load the module "
-            "(modprobe sch_netem) or use nic_down / set_link(rate_mbit=...) as the fault"
-        ) from None
+        for other_ns, match, tag in _loss_targets(lab, node, nic):
+            net.sh(["iptables", "-I", "INPUT", *match, "-m", "statistic", "--mode", "random", "--probability",
+                    f"{percent / 100:.6f}", "-j", "DROP", "-m", "comment", "--comment", tag], ns=other_ns)
+        return
     net.sh(["tc", "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:", "tbf",
             *net.tbf_args(spec.rate_mbit)], ns=ns)
 
 
+def clear_loss(lab: LabCluster, node: str, nic: int) -> None:
+    """Undo ``add_loss``: its iptables rules go (restoring the link's shaping is what undoes netem loss)."""
+    if shutil.which("iptables") is None:
+        return
+    for other_ns, _, tag in _loss_targets(lab, node, nic):
+        listed = net.sh(["iptables", "-S", "INPUT"], ns=other_ns, check=False)
+        for line in listed.splitlines():
+            if line.startswith("-A INPUT ") and f"--comment {tag}" in line:
+                net.sh(["iptables", "-D", *line.split()[1:]], ns=other_ns, check=False)
+
+
+def _loss_targets(lab: LabCluster, node: str, nic: int) -> list[tuple[str, list[str], str]]:
+    """Where loss on ``node``'s NIC ``nic`` is applied: (namespace, match, comment) per other node on that rail."""
+    _ends(lab, node, nic)  # validates the node and the NIC
+    if shutil.which("iptables") is None:
+        raise net.LabError("this kernel has no netem qdisc and iptables is not installed, so links cannot drop "
+                           "packets; install iptables (apt-get install iptables) or use nic_down as the fault")
+    match = ["-i", net.nic_name(nic), "-s", lab.address(node, nic)]
+    return [(lab.namespace(o.name), match, f"bimetal-loss-{node}-{nic}") for o in lab.spec.nodes
+            if o.name != node and nic < o.nics]
+
+
 def restore_link(lab: LabCluster, node: str, nic: int) -> None:
-    """Back to the spec's rate and latency, and up."""
+    """Back to the spec's rate and latency, no loss, and up."""
+    clear_loss(lab, node, nic)
     nic_up(lab, node, nic)
     set_link(lab, node, nic)
 

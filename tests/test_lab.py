@@ -18,7 +18,7 @@ import pytest
 from bimetal.errors import UserError
 from bimetal.lab import cgroup, faults, net
 from bimetal.lab.cluster import STATE_DIR, cleanup_stale
-from bimetal.lab.probe import aggregate_mbit, tcp_flows, tcp_throughput
+from bimetal.lab.probe import aggregate_mbit, tcp_flows, tcp_rtt_ms, tcp_throughput
 from bimetal.lab.spec import load_spec
 
 REPO = Path(__file__).resolve().parents[1]
@@ -243,6 +243,34 @@ def test_faults_nic_down_and_rate_change(lab: Any) -> None:
     assert tcp_throughput(lab, [("nv", "amd", 0)], nbytes=4 << 20)[0] > 0.8 * 200
     with pytest.raises(UserError, match="loss percent"):
         faults.add_loss(lab, "nv", 0, 0)
+
+
+@pytest.mark.lab
+@pytest.mark.timeout(90)
+def test_link_latency_from_the_spec_and_changed_live(make_lab: Any) -> None:
+    lab = make_lab(nics=1, latency_ms=5)  # one-way 5 ms each: a 10 ms round trip (netem, else NFQUEUE holds)
+    assert 9.5 <= tcp_rtt_ms(lab, "nv", "amd", 0) <= 14
+    assert tcp_throughput(lab, [("nv", "amd", 0)], nbytes=16 << 20)[0] > 0.6 * 200  # latency, not a throttle
+    faults.set_link(lab, "amd", 0, latency_ms=20)
+    assert 24.5 <= tcp_rtt_ms(lab, "nv", "amd", 0) <= 30  # 5 + 20 ms
+    faults.restore_link(lab, "amd", 0)
+    assert 9.5 <= tcp_rtt_ms(lab, "nv", "amd", 0) <= 14
+    lab_id, held = lab.spec.lab_id, _delay_daemons()
+    qdiscs = subprocess.run(["tc", "-n", lab.namespace("amd"), "qdisc"], capture_output=True, text=True).stdout
+    assert "netem" in qdiscs or len(held) == 2, held  # one per node's NIC
+    lab.down()
+    assert not held & _delay_daemons() and leftovers(lab_id) == []
+
+
+def _delay_daemons() -> set[str]:
+    return {p.name for p in Path("/proc").iterdir() if p.name.isdigit() and "bimetal.lab.delay" in _cmdline(p)}
+
+
+def _cmdline(proc: Path) -> str:
+    try:
+        return (proc / "cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return ""
 
 
 def _input_drops(lab: Any, node: str) -> int:

@@ -1,10 +1,9 @@
 """Link and speed faults injected into a running lab, for the reliability work.
 
 Every fault is a plain function on a ``LabCluster`` that takes effect at once, while a job runs:
-take a NIC down or up, change a NIC's rate, add latency (needs the kernel's netem qdisc; without it
-``LabError`` says so), add packet loss (netem where the kernel has it, else an iptables ``statistic`` rule on
-the receiving nodes, so a lost packet is really lost and TCP retransmits it), or slow a rank by changing its
-CPU quota.
+take a NIC down or up, change a NIC's rate or latency (netem, else ``bimetal.lab.delay``), add packet
+loss (netem where the kernel has it, else an iptables ``statistic`` rule on the receiving nodes, so a lost
+packet is really lost and TCP retransmits it), or slow a rank by changing its CPU quota.
 ``injected(...)`` applies a fault for the length of a ``with`` block and then undoes it.
 """
 
@@ -49,14 +48,14 @@ def nic_up(lab: LabCluster, node: str, nic: int) -> None:
 
 def set_link(lab: LabCluster, node: str, nic: int, rate_mbit: float | None = None,
              latency_ms: float | None = None) -> None:
-    """Change a NIC's rate and/or one-way latency in both directions (latency > 0 needs netem)."""
+    """Change a NIC's rate and/or one-way latency in both directions (netem, else bimetal.lab.delay)."""
     spec = lab.spec.nodes[lab.node_index(node)]
     rate = spec.rate_mbit if rate_mbit is None else rate_mbit
     latency = spec.latency_ms if latency_ms is None else latency_ms
     if rate <= 0:
         raise net.LabError(f"rate_mbit must be positive, not {rate}; use nic_down to cut a link")
-    for ns, dev in _ends(lab, node, nic):
-        net.shape(ns, dev, rate, latency / 2, change=True)
+    for (ns, dev), hub in zip(_ends(lab, node, nic), (False, True)):
+        net.shape(ns, dev, rate, latency / 2, change=True, hub=hub)
 
 
 def add_loss(lab: LabCluster, node: str, nic: int, percent: float) -> None:
@@ -66,16 +65,14 @@ def add_loss(lab: LabCluster, node: str, nic: int, percent: float) -> None:
         raise net.LabError(f"loss percent must be in (0, 100], not {percent:g}")
     spec = lab.spec.nodes[lab.node_index(node)]
     ns, dev = _ends(lab, node, nic)[0]
-    net.sh(["tc", "qdisc", "del", "dev", dev, "root"], ns=ns, check=False)
-    try:
-        net.sh(["tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem", "loss", f"{percent:g}%",
-                "delay", f"{spec.latency_ms / 2:g}ms"], ns=ns)
-    except net.LabError:
-        net.shape(ns, dev, spec.rate_mbit, spec.latency_ms / 2)
+    if not net.netem_available():
         for other_ns, match, tag in _loss_targets(lab, node, nic):
             net.sh(["iptables", "-I", "INPUT", *match, "-m", "statistic", "--mode", "random", "--probability",
                     f"{percent / 100:.6f}", "-j", "DROP", "-m", "comment", "--comment", tag], ns=other_ns)
         return
+    net.sh(["tc", "qdisc", "del", "dev", dev, "root"], ns=ns, check=False)
+    net.sh(["tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem", "loss", f"{percent:g}%",
+            "delay", f"{spec.latency_ms / 2:g}ms"], ns=ns)
     net.sh(["tc", "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:", "tbf",
             *net.tbf_args(spec.rate_mbit)], ns=ns)
 

@@ -97,23 +97,50 @@ def tbf_args(rate_mbit: float) -> list[str]:
     return ["rate", f"{rate_mbit:g}mbit", "burst", str(burst), "limit", str(limit)]
 
 
-def shape(ns: str, dev: str, rate_mbit: float, latency_ms: float, change: bool = False) -> None:
-    """Set the egress shaping of ``dev`` in ``ns``: netem delay (if any) as root with tbf below it, or tbf alone."""
+def shape(ns: str, dev: str, rate_mbit: float, latency_ms: float, change: bool = False, hub: bool = False) -> None:
+    """Set the egress shaping of ``dev`` in ``ns``: netem delay (if any) as root with tbf below it, or tbf alone.
+
+    Without netem in the kernel, the latency comes from ``bimetal.lab.delay`` instead: the node holds every
+    packet arriving on ``dev`` for both halves (2 x ``latency_ms``: its own and the one netem would add at the
+    hub's end, which then gets tbf alone: ``hub=True``).
+    """
+    from bimetal.lab import delay
+
     verb = "change" if change else "add"
     if change:
         sh(["tc", "qdisc", "del", "dev", dev, "root"], ns=ns, check=False)
         verb = "add"
-    if latency_ms > 0:
-        try:
-            sh(["tc", "qdisc", verb, "dev", dev, "root", "handle", "1:", "netem", "delay", f"{latency_ms:g}ms"], ns=ns)
-        except LabError:
-            raise LabError(
-                "this kernel has no netem qdisc (sch_netem), so links cannot get latency; set latency_ms = 0 "
-                "or load the module (modprobe sch_netem)"
-            ) from None
+    if not hub:
+        delay.stop(ns, dev, nic_index(dev))
+    if latency_ms > 0 and netem_available():
+        sh(["tc", "qdisc", verb, "dev", dev, "root", "handle", "1:", "netem", "delay", f"{latency_ms:g}ms"], ns=ns)
         sh(["tc", "qdisc", verb, "dev", dev, "parent", "1:1", "handle", "10:", "tbf", *tbf_args(rate_mbit)], ns=ns)
-    else:
-        sh(["tc", "qdisc", verb, "dev", dev, "root", "handle", "10:", "tbf", *tbf_args(rate_mbit)], ns=ns)
+        return
+    sh(["tc", "qdisc", verb, "dev", dev, "root", "handle", "10:", "tbf", *tbf_args(rate_mbit)], ns=ns)
+    if latency_ms > 0 and not hub:
+        delay.start(ns, dev, nic_index(dev), 2 * latency_ms)
+
+
+_NETEM: list[bool] = []
+
+
+def netem_available() -> bool:
+    """Whether this kernel has the netem qdisc (tried once on a scratch namespace's loopback)."""
+    if not _NETEM:
+        scratch = f"bml-netem-probe-{os.getpid()}"
+        sh(["ip", "netns", "add", scratch])
+        try:
+            out = subprocess.run(["tc", "-n", scratch, "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms"],
+                                 capture_output=True)
+            _NETEM.append(out.returncode == 0)
+        finally:
+            sh(["ip", "netns", "del", scratch], check=False)
+    return _NETEM[0]
+
+
+def nic_index(dev: str) -> int:
+    """The NIC number of a node-side device name (``eth3`` -> 3)."""
+    return int(dev.removeprefix("eth"))
 
 
 def add_namespace(name: str) -> None:
@@ -140,7 +167,7 @@ def build_network(lab_id: str, nodes: Sequence[tuple[str, int, float, float]]) -
             sh(["ip", "-n", hub, "link", "set", port, "master", f"br{k}", "up"])
             # Half the latency each way keeps the round trip at 2 x latency_ms through hub and back.
             shape(ns, dev, rate, latency / 2)
-            shape(hub, port, rate, latency / 2)
+            shape(hub, port, rate, latency / 2, hub=True)
 
 
 def kill_namespace_pids(ns: str, timeout: float = 5.0) -> None:

@@ -91,3 +91,42 @@ def aggregate_mbit(lab: LabCluster, flows: list[tuple[str, str, int]], nbytes: i
     got = tcp_flows(lab, flows, nbytes, port, timeout)
     span = max(f["t1"] for f in got) - min(f["t0"] for f in got)
     return sum(float(f["bytes"]) for f in got) * 8 / max(span, 1e-9) / 1e6
+
+
+_ECHO = r"""
+import socket, sys
+addr, port = sys.argv[1], int(sys.argv[2])
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind((addr, port)); s.listen(1)
+print("ready", flush=True)
+s.settimeout(30); c, _ = s.accept(); c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+while (b := c.recv(64)):
+    c.sendall(b)
+"""
+
+_PING = r"""
+import socket, statistics, sys, time
+addr, port, count = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+c = socket.create_connection((addr, port), timeout=30); c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+times = []
+for _ in range(count):
+    t = time.perf_counter(); c.sendall(b"x"); c.recv(1); times.append(time.perf_counter() - t)
+print(statistics.median(times) * 1e3, flush=True)
+"""
+
+
+def tcp_rtt_ms(lab: LabCluster, src: str, dst: str, nic: int, count: int = 20, port: int = 5301) -> float:
+    """Median round trip of a 1-byte TCP ping-pong from ``src`` to ``dst`` over NIC ``nic``, in ms."""
+    echo = lab.popen(dst, [sys.executable, "-c", _ECHO, lab.address(dst, nic), str(port)], stdout=subprocess.PIPE,
+                     text=True)
+    try:
+        assert echo.stdout is not None
+        if echo.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"probe echo on {dst} did not start")
+        ping = lab.popen(src, [sys.executable, "-c", _PING, lab.address(dst, nic), str(port), str(count)],
+                         stdout=subprocess.PIPE, text=True)
+        out, _ = ping.communicate(timeout=60)
+        return float(out.strip())
+    finally:
+        if echo.poll() is None:
+            echo.kill()
+        echo.wait(timeout=5)

@@ -6,7 +6,7 @@ A spec file looks like::
     name = "pair"        # lab id (default: the file's stem); names every namespace and cgroup
     nics = 2             # NICs per node (default for every node)
     rate_mbit = 400      # line rate of each NIC, both directions
-    latency_ms = 0       # one-way added latency (needs the kernel's netem qdisc)
+    latency_ms = 0       # one-way added latency (netem, else NFQUEUE through bimetal.lab.delay)
 
     [[node]]
     name = "n0"

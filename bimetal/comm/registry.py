@@ -3,7 +3,9 @@
 * ``bimetal_cpu_forward``: cross-vendor transport through pinned host memory and Gloo (comm/cpu_forward).
 * ``bimetal_device_direct``: cross-vendor transport through an RDMA transfer engine (comm/device_direct).
 * ``bimetal_sim_native``: the native back-end under simulation. It is Gloo, but like NCCL/RCCL it refuses a
-  group whose ranks run different (simulated) vendors.
+  group whose ranks run different (simulated) vendors, and like them it takes the NIC of its GPU: on a node
+  with several NICs (a lab node), local rank i's traffic goes over NIC i, so a homogeneous baseline is not
+  held to one NIC while the transports under test use them all.
 
 Creators import their transport lazily, so ``import bimetal`` stays cheap and a transport that is not
 built (or whose library is missing) fails when a group asks for it, with a message that says so.
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 from datetime import timedelta
 from typing import Any
 
@@ -80,7 +83,13 @@ def _create_sim_native(dist_backend_opts: Any, pg_options: Any):
             f"the native back-end cannot form a group across vendors (ranks {members}); "
             "NCCL and RCCL do not interoperate - use a bimetal transport for this group"
         )
-    return dist.ProcessGroupGloo(store, rank, size, dist_backend_opts.timeout)
+    from bimetal.comm.striping import CpuForwardOptions, build_stripes, choose_interfaces
+
+    timeout = dist_backend_opts.timeout
+    timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)  # (not cpu-forward's env: its NIC choice is its own)
+    (nic,) = choose_interfaces(CpuForwardOptions(stripes=1, local_rank=local_rank))  # NIC LOCAL_RANK, else default
+    return build_stripes(store, rank, size, timeout, [nic])[0]
 
 
 _registered = False

@@ -4,7 +4,8 @@ The debug model trains for a fixed number of steps on two emulated nodes (2 rank
 links slow enough that pipeline traffic is the bottleneck), pp=2 across the nodes, dp=2 inside each.
 Tokens/s of each step is reported as a ratio to (a):
 
-    (a) homogeneous baseline: both nodes "nvidia", every group on the native back-end;
+    (a) homogeneous baseline: both nodes "nvidia", every group on the native back-end, which (like NCCL)
+        takes the NIC of its GPU: local rank i's traffic on NIC i;
     (b) nvidia + amd, all groups on Gloo, over NIC 0;
     (c) differentiated back-ends: cross-vendor pipeline on cpu-forward, dp native, all over NIC 0;
     (d) (c) with one NIC per rank (local rank i's pipeline traffic on NIC i);

@@ -268,11 +268,12 @@ class Proxy:
         except OSError:  # closed under us: the group is shutting down
             return
         for sock in writable:
-            with self._lock:
+            with self._lock:  # (the caller's thread may be sending inline notes on the same connection)
                 self.control.on_ready(sock, readable=False)
         for sock in readable:
             if sock is not self._wake_r:
-                self.control.on_ready(sock, readable=True)
+                with self._lock:  # a failed read closes the connection, which must not race a send on it
+                    self.control.on_ready(sock, readable=True)
                 continue
             with contextlib.suppress(OSError):  # drained (BlockingIOError) or closed
                 while sock.recv(4096):

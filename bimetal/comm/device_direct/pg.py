@@ -47,7 +47,8 @@ class DeviceDirectOptions:
     slots: int = 8
     """Receive slots (credits) per peer."""
     window: int = 16
-    """Rendezvous writes in flight per message (each on its own engine connection over TCP)."""
+    """Rendezvous writes in flight per message (Mooncake's TCP transport spreads them over its connection
+    lanes to the peer, ``MC_TCP_LANES_PER_PEER``, 4 by default)."""
     inline_bytes: int = 16 << 10
     """Host-tensor messages up to this size ride inside the control note (0: never)."""
     fallback: str = "error"

@@ -15,7 +15,7 @@ thread touches the engine. Three wire protocols, chosen by size (both sides agre
 * **rendezvous** (larger messages): as soon as the recv is posted, the receiver registers the user's tensor
   and sends ``rtr`` with its address (receiver first: no request-to-send round trip when the recv is posted
   before the data is ready, as a pipeline does). The sender writes it in ``chunk``-sized pieces, ``window`` in
-  flight on separate engine connections so the transfers pipeline, then notifies ``fin``. The data lands in
+  flight (over the engine's connection lanes) so the transfers pipeline, then notifies ``fin``. The data lands in
   the user's tensor directly: no copy at all. A sender that waits long for ``rtr`` sends ``rts`` with its
   size, so a size mismatch fails both sides with the sizes named instead of timing out.
 

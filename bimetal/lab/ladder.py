@@ -56,7 +56,8 @@ RUNGS = (
 
 
 def run_rung(rung: Rung, args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
-    spec = parse_spec({"lab": {"name": f"ladder{rung.key}", "nics": 2, "rate_mbit": args.rate_mbit},
+    spec = parse_spec({"lab": {"name": f"ladder{rung.key}", "nics": 2, "rate_mbit": args.rate_mbit,
+                               "latency_ms": args.latency_ms},
                        "node": [{"name": "n0", "vendor": rung.vendors[0], "ranks": 2},
                                 {"name": "n1", "vendor": rung.vendors[1], "ranks": 2}]}, source="<ladder>")
     argv = ["-m", "bimetal.train", "--config", args.config, f"--training.steps={args.steps}",
@@ -124,6 +125,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--warmup", type=int, default=2, help="leading steps left out of tokens/s (default 2)")
     p.add_argument("--repeats", type=int, default=2, help="runs of each rung, interleaved (default 2)")
     p.add_argument("--rate-mbit", type=float, default=40, help="line rate of every NIC (default 40 Mbit/s)")
+    p.add_argument("--latency-ms", type=float, default=0, help="one-way added latency of every NIC (default 0)")
     p.add_argument("--rungs", default="abcde", help="which rungs to run (default abcde)")
     p.add_argument("--run-timeout", type=float, default=180, help="seconds before one run is killed")
     p.add_argument("--out", default="runs/ladder", help="directory for ladder.json, ladder.png, run dirs")
@@ -150,7 +152,8 @@ def main(argv: list[str]) -> int:
             if not res["ok"]:
                 print(res["error"][-1500:], file=sys.stderr)
     table = report(runs)
-    title = (f"debug LLaMA-3, pp=2 x dp=2 on 2 lab nodes, 2 NICs x {args.rate_mbit:g} Mbit/s, "
+    link = f"{args.rate_mbit:g} Mbit/s" + (f", {args.latency_ms:g} ms" if args.latency_ms else "")
+    title = (f"debug LLaMA-3, pp=2 x dp=2 on 2 lab nodes, 2 NICs x {link}, "
              f"{args.steps} steps, {args.repeats} repeats")
     print(title)
     print(f"{'rung':<36} {'tokens/s':>9} {'ratio':>6} {'min':>6} {'max':>6} {'ok':>5}  pp transport")

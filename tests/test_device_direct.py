@@ -62,7 +62,7 @@ def _rank(rank: int, port: int, scenario: str, out: str) -> None:
     except BaseException as exc:  # noqa: BLE001 - the verdict carries the traceback back to the test
         verdict = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}
     Path(out, f"r{rank}.json").write_text(json.dumps(verdict))
-    if scenario != "killed":
+    if scenario not in ("killed", "sender_leaves"):
         dist.destroy_process_group()
 
 
@@ -164,6 +164,26 @@ def _killed(rank: int, port: int) -> dict:
     raise AssertionError("recv from a dead peer returned")
 
 
+def _sender_leaves(rank: int, port: int) -> dict:
+    pg = _join_world(rank, port, 20)
+    msgs = [_payload(torch.uint8, n, n) for n in (3, 4096, 1 << 20)]  # inline, inline, eager
+    dist.barrier(group=pg)
+    if rank == 0:  # sends and leaves at once: the messages are out, its connections end right after
+        for tag, m in enumerate(msgs):
+            dist.send(m, 1, group=pg, tag=tag)
+        os._exit(0)
+    time.sleep(1.5)  # the sender is gone before any recv is posted
+    got = [torch.empty_like(m) for m in msgs]
+    for tag, g in enumerate(got):
+        dist.recv(g, 0, group=pg, tag=tag)
+    assert all(_same_bits(g, m) for g, m in zip(got, msgs)), "a message of the departed sender differs"
+    try:
+        dist.recv(torch.empty(4), 0, group=pg, tag=9)
+    except Exception as exc:  # noqa: BLE001 - the message is what the test checks
+        return {"after": str(exc)}
+    raise AssertionError("a recv from a peer that left returned")
+
+
 def _close(pg: dist.ProcessGroup) -> bool:
     pg.shutdown()
     return pg.proxy.alive
@@ -212,7 +232,7 @@ def _mismatch(rank: int, port: int) -> dict:
 
 
 SCENARIOS = {"exchange": _exchange, "mismatch": _mismatch, "pipeline": _pipeline, "killed": _killed,
-             "fallback": _fallback}
+             "fallback": _fallback, "sender_leaves": _sender_leaves}
 
 
 def _spawn(scenario: str, tmp_path: Path) -> list[dict]:
@@ -246,6 +266,13 @@ def test_killed_peer_fails_the_survivor_naming_it(tmp_path: Path) -> None:
     # the dead process's control connection ends, so the survivor knows at once, not at the 8 s timeout
     assert survivor["seconds"] < 3, survivor
     assert survivor["alive_after"] is False
+
+
+def test_messages_of_a_sender_that_left_are_still_received(tmp_path: Path) -> None:
+    verdicts = _spawn("sender_leaves", tmp_path)
+    (receiver,) = [v for v in verdicts if "after" in v or "error" in v]
+    assert receiver["ok"], receiver
+    assert "peer rank 0" in receiver["after"] and "closed its control connection" in receiver["after"], receiver
 
 
 def test_size_mismatch_fails_with_both_sizes(tmp_path: Path) -> None:

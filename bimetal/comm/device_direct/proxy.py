@@ -222,6 +222,7 @@ class Proxy:
                 busy = self._take_ops()
                 busy |= self._take_notes()
                 busy |= self._progress()
+                self._check_closed()
                 self._return_credits(force=False)
                 self._check_health()
                 now = time.monotonic()
@@ -292,7 +293,8 @@ class Proxy:
             self._admit(op)
 
     def _admit(self, op: _Op) -> None:
-        if op.peer in self._dead:
+        # a recv whose message arrived before its peer went away still gets it
+        if op.peer in self._dead and not (op.kind == "recv" and op.key in self._arrived):
             op.fut.set_exception(TransportError(f"{op.what}: {self._dead[op.peer]}"))
             return
         if op.kind == "send":
@@ -323,10 +325,14 @@ class Proxy:
                     recv.fut.set_result(None)
             elif k != "credit":  # inline, eager or rts: wait for the matching recv
                 self._arrived[key] = note
+        return bool(frames)
+
+    def _check_closed(self) -> None:
+        """Fail the ops of peers whose control connection ended. Runs after ``_progress``, so a message that
+        arrived just before its sender exited is still matched, not failed."""
         for peer, reason in list(self.control.closed.items()):
             if peer not in self._dead:
                 self._peer_failed(peer, f"{self._peer_name(peer)} failed: {reason}")
-        return bool(frames)
 
     def _parse(self, peer: int, note: dict[str, Any], payload: bytes) -> dict[str, Any] | None:
         if note.get("k") not in _NOTE_FIELDS or peer not in self._remote:

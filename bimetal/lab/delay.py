@@ -135,10 +135,10 @@ def serve(queue: int, delay_s: float) -> None:
 # -- managing one daemon per NIC (lab side) -----------------------------------------------------------------
 
 
-def _rules(dev: str, queue: int) -> list[list[str]]:
-    target = ["-j", "NFQUEUE", "--queue-num", str(queue), "--queue-bypass", "-m", "comment", "--comment",
-              f"{_MARK}-{dev}"]
-    return [["INPUT", "-i", dev, *target]]
+def _rule(dev: str, queue: int) -> list[str]:
+    """The iptables rule (after -A/-D) that sends what arrives on ``dev`` to ``queue``."""
+    return ["INPUT", "-i", dev, "-j", "NFQUEUE", "--queue-num", str(queue), "--queue-bypass", "-m", "comment",
+            "--comment", f"{_MARK}-{dev}"]
 
 
 def start(ns: str, dev: str, queue: int, delay_ms: float) -> None:
@@ -157,27 +157,25 @@ def start(ns: str, dev: str, queue: int, delay_ms: float) -> None:
         raise net.LabError(f"the latency daemon for {dev} in {ns} did not start: {err.strip()[-300:] or 'no output'}; "
                            "it needs the kernel's nfnetlink_queue (or netem) for link latency")
     proc.stdout.close()
-    for rule in _rules(dev, queue):
-        try:
-            net.sh(["iptables", "-A", *rule], ns=ns)
-        except net.LabError as exc:
-            stop(ns, dev, queue)
-            raise net.LabError(f"link latency without netem needs iptables with NFQUEUE ({exc}); install iptables "
-                               "(apt-get install iptables) or set latency_ms = 0") from None
+    try:
+        net.sh(["iptables", "-A", *_rule(dev, queue)], ns=ns)
+    except net.LabError as exc:
+        stop(ns, dev, queue)
+        raise net.LabError(f"link latency without netem needs iptables with NFQUEUE ({exc}); install iptables "
+                           "(apt-get install iptables) or set latency_ms = 0") from None
 
 
 def stop(ns: str, dev: str, queue: int) -> None:
     """Remove ``dev``'s latency rules and its daemon (no-op when there are none)."""
     from bimetal.lab import net
 
-    for rule in _rules(dev, queue):
-        net.sh(["iptables", "-D", *rule], ns=ns, check=False)
+    net.sh(["iptables", "-D", *_rule(dev, queue)], ns=ns, check=False)
     for pid in net.sh(["ip", "netns", "pids", ns], check=False).split():
         try:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
         except OSError:
             continue
-        if "bimetal.lab.delay" in argv and argv[argv.index("--queue") + 1:][:1] == [str(queue)]:
+        if "bimetal.lab.delay" in argv and "--queue" in argv and argv[argv.index("--queue") + 1:][:1] == [str(queue)]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(int(pid), signal.SIGTERM)
 

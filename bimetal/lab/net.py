@@ -110,7 +110,7 @@ def shape(ns: str, dev: str, rate_mbit: float, latency_ms: float, change: bool =
     if change:
         sh(["tc", "qdisc", "del", "dev", dev, "root"], ns=ns, check=False)
         verb = "add"
-    if not hub:
+    if change and not hub:  # a new link has no latency daemon yet
         delay.stop(ns, dev, nic_index(dev))
     if latency_ms > 0 and netem_available():
         sh(["tc", "qdisc", verb, "dev", dev, "root", "handle", "1:", "netem", "delay", f"{latency_ms:g}ms"], ns=ns)

@@ -30,6 +30,19 @@ def _check_transports(cfg: TrainConfig) -> None:
                             f"choose another transport, e.g. --parallel.{key}=gloo.")
 
 
+def _check_implemented(cfg: TrainConfig) -> None:
+    """Refuse layout keys this build of the trainer does not run yet, before any rank starts."""
+    p = cfg.parallel
+    if p.tp > 1:
+        raise UserError(f"parallel.tp={p.tp}: this build of the trainer runs only tp=1; set --parallel.tp=1.")
+    if p.dp_shard > 1:
+        raise UserError(f"parallel.dp_shard={p.dp_shard}: this build of the trainer does not shard yet; "
+                        "set --parallel.dp_shard=1.")
+    if cfg.activation_checkpoint.mode != "none":
+        raise UserError(f"activation_checkpoint.mode={cfg.activation_checkpoint.mode!r}: this build of the trainer "
+                        "has no activation checkpointing yet; set it to 'none'.")
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="bimetal train", description="Train across vendors.")
     parser.add_argument("--config", help="TOML config file")
@@ -40,6 +53,7 @@ def main(argv: list[str]) -> int:
     ns, rest = parser.parse_known_args(argv)
     overrides = list(rest) + (["--checkpoint.resume=true"] if ns.resume else [])
     cfg = load_config(ns.config, overrides)  # UserError -> one sentence, exit 2 (bimetal.cli)
+    _check_implemented(cfg)
     if cfg.parallel.pp * cfg.parallel.dp > 1:
         _check_transports(cfg)
     if ns.simulate and "RANK" not in os.environ:

@@ -31,7 +31,13 @@ class ParallelConfig:
     pp: int = 1
     """Number of pipeline stages."""
     dp: int = 1
-    """Data-parallel replicas per stage."""
+    """Data-parallel ranks per stage."""
+    tp: int = 1
+    """Tensor-parallel degree inside a node and a vendor (column/row-parallel attention and MLP)."""
+    dp_shard: int = 1
+    """FSDP2 shard degree inside each stage's data-parallel ranks (must divide ``dp`` and stay inside one
+    vendor island): 1 replicates parameters and optimizer state (plain data parallel), ``dp`` shards them
+    fully, anything between is HSDP (``dp / dp_shard`` replicas of ``dp_shard``-way shards)."""
     layers_per_stage: list[int] = field(default_factory=list)
     """Layers held by each stage, e.g. ``[3, 1]``; empty means an even split. Must sum to the model's layers."""
     schedule: str = "1f1b"
@@ -97,6 +103,14 @@ class TrainingConfig:
 
 
 @dataclass
+class ActivationCheckpointConfig:
+    mode: str = "none"
+    """``none``, ``full`` (recompute every transformer block in the backward pass) or ``selective``."""
+    every: int = 2
+    """With ``selective``: checkpoint every k-th block of each stage (1 = every block)."""
+
+
+@dataclass
 class CheckpointConfig:
     folder: str = ""
     """Checkpoint folder; empty means ``<run_dir>/checkpoints``."""
@@ -130,6 +144,8 @@ class TrainConfig:
     """Optimizer and schedule."""
     training: TrainingConfig = field(default_factory=TrainingConfig)
     """Loop length, seed, precision."""
+    activation_checkpoint: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
+    """Recomputation of activations in the backward pass."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpointing and export."""
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
@@ -143,6 +159,15 @@ class TrainConfig:
         p = self.parallel
         if p.pp < 1 or p.dp < 1:
             raise UserError(f"parallel.pp={p.pp} and parallel.dp={p.dp} must both be at least 1.")
+        if p.tp < 1:
+            raise UserError(f"parallel.tp={p.tp} must be at least 1.")
+        if p.dp_shard < 1 or p.dp % p.dp_shard:
+            raise UserError(f"parallel.dp_shard={p.dp_shard} must be at least 1 and divide parallel.dp={p.dp}.")
+        ac = self.activation_checkpoint
+        if ac.mode not in ("none", "full", "selective"):
+            raise UserError(f"activation_checkpoint.mode={ac.mode!r} is unknown; use none, full or selective.")
+        if ac.every < 1:
+            raise UserError(f"activation_checkpoint.every={ac.every} must be at least 1.")
         if p.layers_per_stage and len(p.layers_per_stage) != p.pp:
             raise UserError(
                 f"parallel.layers_per_stage={p.layers_per_stage} has {len(p.layers_per_stage)} entries but "

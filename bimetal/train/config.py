@@ -7,11 +7,10 @@ write and check configs without side effects. Every mistake a user can make rais
 from __future__ import annotations
 
 import dataclasses
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import tomllib
 
 from bimetal.errors import UserError
 

@@ -14,10 +14,12 @@ Per-rank state that is not a tensor (data position, RNG) goes into ``extra-rank<
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import shutil
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -77,7 +79,8 @@ def save(folder: str | Path, step: int, state: dict[str, Any], extra: dict[str, 
         tmp.mkdir(parents=True)
     _barrier(group)
     if writer:
-        dcp.save(state, checkpoint_id=str(tmp / shard), no_dist=True)
+        with _no_single_process_warning():
+            dcp.save(state, checkpoint_id=str(tmp / shard), no_dist=True)
     (tmp / f"extra-rank{rank}.json").write_text(json.dumps(extra))
     _barrier(group)
     if rank == 0:
@@ -183,7 +186,8 @@ def load(path: Path, state: dict[str, Any], rank: int, shard: str = "stage0") ->
     quiet = _QuietLoader()  # DCP logs each failed metadata read with a traceback on the root logger
     logging.getLogger().addFilter(quiet)
     try:
-        dcp.load(state, checkpoint_id=str(path / shard), no_dist=True)
+        with _no_single_process_warning():
+            dcp.load(state, checkpoint_id=str(path / shard), no_dist=True)
         return json.loads((path / f"extra-rank{rank}.json").read_text())
     except (Exception, CheckpointException) as exc:  # damage that keeps file sizes shows only here
         # DCP wraps the cause in a report holding the rank's traceback: its last line says what went wrong.
@@ -193,6 +197,14 @@ def load(path: Path, state: dict[str, Any], rank: int, shard: str = "stage0") ->
                         "continue from the one before it.") from None
     finally:
         logging.getLogger().removeFilter(quiet)
+
+
+@contextlib.contextmanager
+def _no_single_process_warning() -> Iterator[None]:
+    """``no_dist=True`` is deliberate here; DCP's warning that it assumes one process would only be noise."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
 
 
 class _QuietLoader(logging.Filter):

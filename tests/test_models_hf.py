@@ -143,6 +143,9 @@ def test_bad_folders(tmp_path: Path) -> None:
     def write(**changes: object) -> None:
         (folder / "config.json").write_text(json.dumps({**cfg, **changes}))
 
+    (folder / "config.json").write_text("[1, 2]")
+    with pytest.raises(UserError, match="is not a JSON object"):
+        from_hf(folder)
     write(model_type="gpt2")
     with pytest.raises(UserError, match="model_type 'gpt2' is not supported"):
         from_hf(folder)

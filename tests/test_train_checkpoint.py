@@ -128,3 +128,12 @@ def test_resumed_metrics_replace_replayed_steps_and_keep_the_first_loss(tmp_path
     s = again.summary("none")
     assert (s["first_step"], s["steps"], s["loss_start"], s["loss_end"]) == (1, 8, 9.0, 12.0)
     assert json.loads((tmp_path / "summary.json").read_text())["loss_start"] == 9.0
+
+
+def test_keep_last_setting() -> None:
+    from bimetal.train.config import load_config
+
+    assert load_config(None, []).checkpoint.keep_last == 3
+    assert load_config(None, ["--checkpoint.keep_last=0"]).checkpoint.keep_last == 0
+    with pytest.raises(UserError, match=r"checkpoint\.keep_last=-1 must be 0 \(keep all\) or more"):
+        load_config(None, ["--checkpoint.keep_last=-1"])

@@ -108,7 +108,7 @@ def _check_unsupported(cfg: dict[str, Any], family: str, dim: int, heads: int, w
     if cfg.get("head_dim") not in (None, dim // heads):
         raise _fail(where, f"head_dim {cfg['head_dim']} differs from hidden_size/num_attention_heads = "
                            f"{dim // heads}; bimetal does not support a head_dim override.")
-    if float(cfg.get("attention_dropout") or 0.0) != 0.0:
+    if cfg.get("attention_dropout") not in (None, 0, 0.0):
         raise _fail(where, f"attention_dropout {cfg['attention_dropout']} is not supported; bimetal trains "
                            "without dropout (set it to 0.0).")
     if family == "llama3":
@@ -131,6 +131,8 @@ def _check_unsupported(cfg: dict[str, Any], family: str, dim: int, heads: int, w
 def args_from_hf_config(cfg: dict[str, Any], where: Path | str = "config.json") -> tuple[str, ModelArgs]:
     """(family, args) from an HF config dict (4.x or 5.x); UserError naming a field bimetal does not implement."""
     where = Path(where)
+    if not isinstance(cfg, dict):
+        raise _fail(where, "is not a JSON object; an HF config.json holds one object of fields.")
     mtype = cfg.get("model_type")
     if mtype not in HF_MODEL_TYPES:
         raise _fail(where, f"model_type {mtype!r} is not supported; bimetal loads {', '.join(HF_MODEL_TYPES)}.")

@@ -5,15 +5,21 @@ by the stage's first dp replica; the other replicas hold the same tensors) plus 
 family/flavour, layout) and, written last by rank 0 after a barrier, ``COMPLETE``. Each stage is saved and
 loaded with ``no_dist=True``: DCP's collective planning exchanges pickled objects between ranks, and no
 bimetal network path unpickles anything; the only traffic here is tensor barriers. A folder without
-``COMPLETE`` is a half-written save and is never loaded. Everything is written into ``.tmp-step-N`` first and
+``COMPLETE`` is a half-written save and is never loaded; ``COMPLETE`` lists every file with its size, so a
+checkpoint damaged afterwards (a file cut short or lost) is recognised before loading and skipped for the one
+before it. ``prune`` keeps the newest ``checkpoint.keep_last``. Everything is written into ``.tmp-step-N`` first and
 renamed once all ranks are done, so a crash leaves at most a temp folder that the next save replaces.
 Per-rank state that is not a tensor (data position, RNG) goes into ``extra-rank<R>.json``: JSON, not pickle.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import shutil
+import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from bimetal.errors import UserError
@@ -72,25 +79,94 @@ def save(folder: str | Path, step: int, state: dict[str, Any], extra: dict[str, 
         tmp.mkdir(parents=True)
     _barrier(group)
     if writer:
-        dcp.save(state, checkpoint_id=str(tmp / shard), no_dist=True)
+        with _no_single_process_warning():
+            dcp.save(state, checkpoint_id=str(tmp / shard), no_dist=True)
     (tmp / f"extra-rank{rank}.json").write_text(json.dumps(extra))
     _barrier(group)
     if rank == 0:
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        files = _manifest(tmp)
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
-        (final / MARKER).write_text(str(step))
+        (final / MARKER).write_text(json.dumps({"step": step, "files": files}))
     _barrier(group)
     return final
 
 
-def latest(folder: str | Path) -> Path | None:
-    """The newest complete checkpoint under ``folder``, or None."""
+def _manifest(folder: Path) -> dict[str, int]:
+    """Every file of a checkpoint folder (relative path -> size in bytes), as written."""
+    return {str(f.relative_to(folder)): f.stat().st_size for f in sorted(folder.rglob("*")) if f.is_file()}
+
+
+def damage(path: Path) -> str | None:
+    """Why the complete checkpoint ``path`` cannot be loaded (a file missing or cut short), or None if intact.
+
+    The marker lists every file and its size at save time; a checkpoint from before the list existed (its
+    marker holds only the step) is taken as intact.
+    """
+    try:
+        marker = json.loads((path / MARKER).read_text())
+    except (OSError, ValueError):
+        return f"its {MARKER} marker cannot be read"
+    files = marker.get("files", {}) if isinstance(marker, dict) else {}
+    for name, size in files.items():
+        f = path / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if f.stat().st_size != size:
+            return f"{name} has {f.stat().st_size} bytes, {size} were written"
+    return None
+
+
+def _steps(root: Path) -> list[tuple[int, Path]]:
+    """(step, folder) of every ``step-N`` folder under ``root``, oldest first (by number: 7 digits sort right)."""
+    found = [(int(p.name[5:]), p) for p in root.glob("step-*") if p.name[5:].isdigit() and p.is_dir()]
+    return sorted(found) if root.is_dir() else []
+
+
+def _complete(root: Path) -> list[Path]:
+    """Checkpoint folders under ``root`` that carry the marker, oldest first."""
+    return [p for _, p in _steps(root) if (p / MARKER).is_file()]
+
+
+def latest(folder: str | Path, warn: Callable[[str], None] | None = None) -> Path | None:
+    """The newest complete and intact checkpoint under ``folder``, or None.
+
+    A newer one that is damaged is skipped in favour of the one before it; ``warn`` gets one sentence for it.
+    """
     root = Path(folder)
-    if not root.is_dir():
-        return None
-    done = sorted(p for p in root.glob("step-*") if (p / MARKER).is_file())
-    return done[-1] if done else None
+    skipped: list[tuple[Path, str]] = []
+    found = None
+    for path in reversed(_complete(root)):
+        why = damage(path)
+        if why is None:
+            found = path
+            break
+        skipped.append((path, why))
+    if warn is not None:
+        instead = (f"resuming from {found.name} instead" if found
+                   else "no intact checkpoint is left, so the run starts from step 0")
+        for path, why in skipped:
+            warn(f"checkpoint {path} is damaged ({why}); {instead}.")
+    return found
+
+
+def prune(folder: str | Path, keep_last: int) -> list[Path]:
+    """Delete checkpoints older than the newest ``keep_last`` intact ones (0 keeps all); returns what went.
+
+    Half-written and damaged folders older than the oldest kept checkpoint go too; newer ones stay.
+    """
+    if keep_last <= 0:
+        return []
+    root = Path(folder)
+    intact = [p for p in reversed(_complete(root)) if damage(p) is None][:keep_last]
+    if len(intact) < keep_last:
+        return []
+    folders = [p for _, p in _steps(root)]
+    gone = folders[:folders.index(intact[-1])]
+    for p in gone:
+        shutil.rmtree(p, ignore_errors=True)
+    return gone
 
 
 def check_meta(path: Path, meta: dict[str, Any]) -> dict[str, Any]:
@@ -107,5 +183,32 @@ def load(path: Path, state: dict[str, Any], rank: int, shard: str = "stage0") ->
     """Load this rank's part (``shard``) into ``state`` in place and return this rank's JSON extra."""
     if not (path / shard).is_dir():
         raise UserError(f"checkpoint {path} has no {shard}/ part; it was written for another layout or is damaged.")
-    dcp.load(state, checkpoint_id=str(path / shard), no_dist=True)
-    return json.loads((path / f"extra-rank{rank}.json").read_text())
+    quiet = _QuietLoader()  # DCP logs each failed metadata read with a traceback on the root logger
+    logging.getLogger().addFilter(quiet)
+    try:
+        with _no_single_process_warning():
+            dcp.load(state, checkpoint_id=str(path / shard), no_dist=True)
+        return json.loads((path / f"extra-rank{rank}.json").read_text())
+    except (Exception, CheckpointException) as exc:  # damage that keeps file sizes shows only here
+        # DCP wraps the cause in a report holding the rank's traceback: its last line says what went wrong.
+        lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()] or [type(exc).__name__]
+        why = lines[-1] if len(lines[-1]) <= 160 else lines[-1][:157] + "..."
+        raise UserError(f"checkpoint {path} cannot be read ({why}); move it away and resume again to "
+                        "continue from the one before it.") from None
+    finally:
+        logging.getLogger().removeFilter(quiet)
+
+
+@contextlib.contextmanager
+def _no_single_process_warning() -> Iterator[None]:
+    """``no_dist=True`` is deliberate here; DCP's warning that it assumes one process would only be noise."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
+
+
+class _QuietLoader(logging.Filter):
+    """Drops the root-logger records of DCP's loader while ``load`` runs; its failure is reported as a sentence."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.pathname.endswith("state_dict_loader.py")

@@ -7,11 +7,10 @@ write and check configs without side effects. Every mistake a user can make rais
 from __future__ import annotations
 
 import dataclasses
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import tomllib
 
 from bimetal.errors import UserError
 
@@ -117,7 +116,10 @@ class CheckpointConfig:
     every: int = 0
     """Save every N steps; 0 saves only at the end."""
     resume: bool = False
-    """Continue from the newest complete checkpoint."""
+    """Continue from the newest complete checkpoint (a damaged one is reported and the one before it used)."""
+    keep_last: int = 3
+    """Keep the newest N complete checkpoints and delete older ones after each save; 0 keeps all. Three leave
+    a fallback when the newest is damaged and one more, at three times one checkpoint's disk space."""
     export_hf: str = ""
     """If set, export the trained model as an HF safetensors folder here."""
 
@@ -185,6 +187,8 @@ class TrainConfig:
             raise UserError(f"training.dtype={self.training.dtype!r} is unknown; use auto, bfloat16 or float32.")
         if self.data.bin_dtype not in ("uint16", "uint32"):
             raise UserError(f"data.bin_dtype={self.data.bin_dtype!r} is unknown; use uint16 or uint32.")
+        if self.checkpoint.keep_last < 0:
+            raise UserError(f"checkpoint.keep_last={self.checkpoint.keep_last} must be 0 (keep all) or more.")
 
     def stage_split(self, n_layers: int) -> list[int]:
         """Layers per stage for a model of ``n_layers``; raises ``UserError`` if the split does not sum."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -161,6 +162,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             ctx.destroy()
 
 
+def _warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
 def _run(cfg: TrainConfig, ctx: Any, models: Any, args: Any, split: list[int], tokens: Any) -> dict[str, Any]:
     stage, n_stages = (ctx.stage, ctx.num_stages) if ctx else (0, 1)
     dp_rank, dp_size = (ctx.dp_rank, ctx.dp_size) if ctx else (0, 1)
@@ -190,7 +195,7 @@ def _run(cfg: TrainConfig, ctx: Any, models: Any, args: Any, split: list[int], t
     start = 0
     # A rank restarted by torchrun (--max-restarts) resumes by itself: it loses at most one interval.
     resume = cfg.checkpoint.resume or not faults.first_attempt()
-    path = checkpoint.latest(folder) if resume else None
+    path = checkpoint.latest(folder, warn=_warn if rank == 0 else None) if resume else None
     if resume and path is None and rank == 0:
         print(f"no complete checkpoint in {folder}; starting from step 0", flush=True)
     if path is not None:
@@ -207,7 +212,7 @@ def _run(cfg: TrainConfig, ctx: Any, models: Any, args: Any, split: list[int], t
     devices = [ctx.view[r].device for r in range(ctx.world_size)] if ctx else [
         torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"]
     metrics = StepMetrics(cfg.metrics.run_dir, rank, float(args.flops_per_token(seq)), cluster_peak_flops(devices),
-                          cfg.metrics.log_every, cfg.metrics.tensorboard, fresh=start == 0)
+                          cfg.metrics.log_every, cfg.metrics.tensorboard, start_step=start)
     meter = _XvendorMeter(ctx, runner)
     pp_name = ctx.my_group_name("pp") if ctx else None
     dp_name = ctx.my_group_name("dp") if ctx else None
@@ -256,6 +261,8 @@ def _run(cfg: TrainConfig, ctx: Any, models: Any, args: Any, split: list[int], t
             checkpoint.save(folder, step + 1, checkpoint.training_state(model, opt, stage),
                             {"step": step + 1, "sched": sched.state_dict(), "data": stream.state_dict(),
                              "rng": checkpoint.rng_state()}, meta, rank, shard=f"stage{stage}", writer=dp_rank == 0)
+            if rank == 0:
+                checkpoint.prune(folder, cfg.checkpoint.keep_last)
         faults.after_step(rank, step + 1)  # fault injection for the reliability tests; no-op unless configured
     if cfg.checkpoint.export_hf:
         export_model(model, family, args, split, ctx, cfg.checkpoint.export_hf)

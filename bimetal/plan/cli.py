@@ -33,7 +33,8 @@ def plan_to_train_config(p: Plan, spec: ClusterSpec | None = None) -> dict[str, 
             parallel["allow_cross_vendor_dp"] = True
     return {"model": {"family": m.family, "flavour": m.flavour}, "parallel": parallel,
             "data": {"seq_len": p.seq, "batch_size": p.micro_batch * p.microbatches},
-            "activation_checkpoint": {"mode": p.ac, "every": p.ac_every}}
+            "activation_checkpoint": {"mode": p.ac, "every": p.ac_every},
+            "training": {"dtype": "bfloat16"}}  # what the planner sized the plan for
 
 
 def spans_vendors(p: Plan, spec: ClusterSpec) -> bool:

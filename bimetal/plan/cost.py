@@ -197,6 +197,7 @@ def stage_memory(m: ModelDims, layers: int, first: bool, last: bool, tp: int, mi
 
 
 def stage_memory_bytes(m: ModelDims, layers: int, first: bool, last: bool, tp: int, micro_batch: int,
-                       seq: int, in_flight: int, dp_shard: int = 1, ac: str = "none", ac_every: int = 2) -> int:
-    """Per-GPU memory of one stage (bf16 autocast): parameter state, weight copies, activations, transients."""
-    return stage_memory(m, layers, first, last, tp, micro_batch, seq, in_flight, dp_shard, ac, ac_every)["total"]
+                       seq: int, in_flight: int, dp_shard: int = 1, ac: str = "none", ac_every: int = 2,
+                       bf16: bool = True) -> int:
+    """Per-GPU memory of one stage: parameter state, weight copies, activations, transients."""
+    return stage_memory(m, layers, first, last, tp, micro_batch, seq, in_flight, dp_shard, ac, ac_every, bf16)["total"]

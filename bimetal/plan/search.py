@@ -100,9 +100,9 @@ def _net_gbps(g: NodeGroup, ranks_per_node: int) -> float:
 
 def evaluate(spec: ClusterSpec, model: str, seq: int, global_batch: int, pp: int, dp: int, tp: int,
              micro_batch: int, transport: str, split: list[int] | None = None, dp_shard: int = 1,
-             ac: str = "none") -> Plan | None:
+             ac: str = "none", bf16: bool = True) -> Plan | None:
     """Predict one layout; None when the degrees do not tile the cluster. A plan over memory is returned
-    with ``rejected`` set."""
+    with ``rejected`` set. ``bf16``: autocast compute (what plans are written for); False sizes float32."""
     m = cost.model_dims(model)
     if pp > m.layers or global_batch % (dp * micro_batch) or dp % dp_shard:
         return None
@@ -155,7 +155,7 @@ def evaluate(spec: ClusterSpec, model: str, seq: int, global_batch: int, pp: int
         plan.stage_comm.append(comm)
         in_flight = min(mbs, pp - j)
         mem = cost.stage_memory_bytes(m, layers[j], j == 0, j == pp - 1, tp, micro_batch, seq, in_flight,
-                                      dp_shard, ac, plan.ac_every)
+                                      dp_shard, ac, plan.ac_every, bf16)
         plan.memory.append(mem)
         if mem > g.memory_bytes * MEMORY_RESERVE and not plan.rejected:
             plan.rejected = (f"stage {j} needs {mem / 1e9:.1f} GB per GPU, over {MEMORY_RESERVE:.0%} of the "

@@ -44,7 +44,10 @@ def _check_implemented(cfg: TrainConfig) -> None:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="bimetal train", description="Train across vendors.")
+    from bimetal.train.keys import format_keys
+
+    parser = argparse.ArgumentParser(prog="bimetal train", description="Train across vendors.",
+                                     epilog=format_keys(), formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="TOML config file")
     parser.add_argument("--simulate", help="simulate vendors on this machine, e.g. nvidia:2,amd:2")
     parser.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")

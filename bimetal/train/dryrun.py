@@ -73,17 +73,21 @@ def stage_memory(cfg: TrainConfig, stage: int, device: tuple[str, int] = ("unkno
     """Measure one stage of ``cfg`` on the meta device (bf16 unless ``training.dtype`` is float32)."""
     from bimetal import models
     from bimetal.train.memory import check_tp, measure_stage, param_bytes
-    from bimetal.train.pipeline import stage_layer_ids
-    from bimetal.train.trainer import _model_args
 
-    args = _model_args(cfg)
+    try:
+        args = models.FLAVOURS[cfg.model.family][cfg.model.flavour]
+    except KeyError:
+        known = ", ".join(f"{f}/{v}" for f, vs in models.FLAVOURS.items() for v in vs)
+        raise UserError(f"model {cfg.model.family}/{cfg.model.flavour} is unknown; set model.family and "
+                        f"model.flavour to one of {known}.") from None
     p, ac = cfg.parallel, cfg.activation_checkpoint
     check_tp(args, p.tp)
     split = cfg.stage_split(args.n_layers)
     first, last = stage == 0, stage == p.pp - 1
     # The trainer's stage (build_stage without the allocation and init that follow it).
+    start = sum(split[:stage])  # bimetal.train.pipeline.stage_layer_ids, without importing torch's pipelining
     model = models.prune_to_stage(models.build_model(cfg.model.family, args, device="meta"),
-                                  stage_layer_ids(split, stage), first, last)
+                                  list(range(start, start + split[stage])), first, last)
     bf16 = cfg.training.dtype != "float32"
     mb, seq = cfg.data.batch_size // p.microbatches, cfg.data.seq_len
     m = measure_stage(model, p.tp, mb, seq, bf16)

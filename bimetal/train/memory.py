@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -148,10 +149,15 @@ class StageMeasure:
     """Transient float32 gradient of the logits (last stage), else 0."""
 
 
-def measure_stage(model: Any, tp: int, micro_batch: int, seq: int, bf16: bool) -> StageMeasure:
-    """Measure ``model`` (a meta-device stage of the trainer's Transformer) for one microbatch of ``micro_batch``."""
-    from bimetal.train.trainer import _loss_fn
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The trainer's loss (``bimetal.train.trainer._loss_fn``, which a test holds this equal to); kept here so
+    the dry-run does not import the pipeline package and torch's compiler stack behind it."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
 
+
+def measure_stage(model: Any, tp: int, micro_batch: int, seq: int, bf16: bool,
+                  loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = loss_fn) -> StageMeasure:
+    """Measure ``model`` (a meta-device stage of the trainer's Transformer) for one microbatch of ``micro_batch``."""
     args = model.args
     layer = next(iter(model.layers.values()))
     first, last = model.tok_embeddings is not None, model.output is not None
@@ -181,7 +187,7 @@ def measure_stage(model: Any, tp: int, micro_batch: int, seq: int, bf16: bool) -
             h = torch.empty(micro_batch, seq, args.dim, requires_grad=True)
             tgt = torch.zeros(micro_batch, seq, dtype=torch.long)
             with amp:
-                t = measure_saved(tail, lambda: _loss_fn(output(norm(h)).float(), tgt))
+                t = measure_saved(tail, lambda: loss(output(norm(h)).float(), tgt))
             head = Saved(head.activations + t.activations, head.weight_copies + t.weight_copies)
             out_bytes = grad = micro_batch * seq * args.vocab_size * 4
     return StageMeasure(blk, micro_batch * seq * args.dim * 4, 2 * seq * args.head_dim * 4, head, out_bytes, grad)

@@ -71,10 +71,11 @@ def test_qwen2_7b_report_matches_planner(overrides: list[str], capsys: pytest.Ca
         assert all(s["weight_copies"] == 0 or s["stage"] == 1 for s in stages)  # checkpointed blocks hold none
 
 
-def test_text_report_and_not_fitting(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    # The H200 + MI325X layout without sharding on 80 GB parts: the report names the stage that does not fit.
+def test_text_report_and_not_fitting(capsys: pytest.CaptureFixture[str]) -> None:
+    # The same model unsharded (tp=1, dp=8 replicas) on 80 GB parts: the report names the stage that does not fit.
     cluster = f"--parallel.cluster={ROOT / 'configs/clusters/h100_mi300x.toml'}"
-    rc = bimetal_main(["train", "--config", str(ROOT / "configs/llama3-8b-2x8.toml"), "--dry-run", cluster])
+    rc = bimetal_main(["train", "--config", str(ROOT / "configs/llama3-8b-h100-mi300x.toml"), "--dry-run", cluster,
+                       "--parallel.tp=1", "--parallel.dp=8", "--parallel.dp_shard=1"])
     out = capsys.readouterr().out
     assert rc == 1
     assert "H100" in out and "MI300X" in out and " NO" in out and "stage 0 does not fit its H100" in out

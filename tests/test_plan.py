@@ -110,6 +110,22 @@ def test_cli_ranks_plans_and_writes_config(spec: Path, model: str, tmp_path: Pat
         assert stage.fits and abs(stage.total - planned) <= 0.1 * stage.total
 
 
+def test_write_cross_vendor_dp_only_when_allowed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import tomllib
+    spec = str(ROOT / "configs" / "clusters" / "h200_mi325x.toml")
+    out = tmp_path / "x.toml"
+    assert main([spec, "--model", "qwen2-7b", "--seq", "4096", "--global-batch", "128", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["plans"][0]["pp"] == 1  # the best plan spans vendors with dp
+    assert main([spec, "--model", "qwen2-7b", "--seq", "4096", "--global-batch", "128", "--write", str(out),
+                 "--allow-cross-vendor-dp"]) == 0
+    par = tomllib.loads(out.read_text())["parallel"]
+    assert par["pp"] == 1 and par["allow_cross_vendor_dp"] is True
+    assert 8 % par["dp_shard"] == 0  # FSDP shards stay inside one 8-GPU island, replicas cross vendors
+    # qwen2-7b has 4 key/value heads: no plan splits them 8 ways.
+    ok, rejected = search(load_spec(spec), "qwen2-7b", 4096, 128)
+    assert ok and all(p.tp <= 4 for p in ok + rejected)
+
+
 def test_bad_spec_names_key_and_file(tmp_path: Path) -> None:
     bad = tmp_path / "bad.toml"
     bad.write_text('[[group]]\nvendor = "nvidia"\ngpu = "H200"\ngpus_per_node = 8\nnics_per_node = "eight"\n')

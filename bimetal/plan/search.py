@@ -106,6 +106,8 @@ def evaluate(spec: ClusterSpec, model: str, seq: int, global_batch: int, pp: int
     m = cost.model_dims(model)
     if pp > m.layers or global_batch % (dp * micro_batch) or dp % dp_shard:
         return None
+    if m.heads % tp or m.kv_heads % tp or m.ffn % tp:  # tp splits heads, key/value heads and the MLP width
+        return None
     width = dp * tp
     stage_groups: list[NodeGroup] = []
     for g in spec.groups:

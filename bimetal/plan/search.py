@@ -13,6 +13,7 @@ reduce-scatter in place of the all-reduce.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, replace
 
 from bimetal.plan import cost
@@ -91,6 +92,12 @@ def balance_layers(m: cost.ModelDims, groups: list[NodeGroup], tp: int, tokens: 
     return split[::-1]
 
 
+@functools.lru_cache(maxsize=4096)
+def _balanced(m: cost.ModelDims, groups: tuple[NodeGroup, ...], tp: int, tokens: int, seq: int) -> tuple[int, ...]:
+    # The split does not depend on transport, FSDP or checkpointing, which the search varies around it.
+    return tuple(balance_layers(m, list(groups), tp, tokens, seq))
+
+
 def _net_gbps(g: NodeGroup, ranks_per_node: int) -> float:
     # Each boundary rank gets its share of the node's NICs (at least one, shared if fewer NICs than ranks).
     nics = max(1.0, g.nics_per_node / ranks_per_node)
@@ -129,7 +136,7 @@ def evaluate(spec: ClusterSpec, model: str, seq: int, global_batch: int, pp: int
         return None
     mbs = global_batch // (dp * micro_batch)
     tokens = micro_batch * seq
-    layers = split or balance_layers(m, stage_groups, tp, tokens, seq)
+    layers = split or list(_balanced(m, tuple(stage_groups), tp, tokens, seq))
     plan = Plan(model, seq, pp, dp, tp, micro_batch, mbs, transport, layers, [g.name for g in stage_groups],
                 dp_shard=dp_shard, ac=ac)
     act = cost.activation_bytes(micro_batch, seq, m.dim) / tp

@@ -113,17 +113,19 @@ def report(cfg: TrainConfig) -> list[StageMemory]:
     return [stage_memory(cfg, j, devices[j]) for j in range(cfg.parallel.pp)]
 
 
-def _gb(x: int) -> str:
-    return f"{x / 1e9:.1f}"
-
-
 def format_report(cfg: TrainConfig, stages: list[StageMemory]) -> str:
+    """The report as a table, in GB (MB when every stage is under 1 GB, e.g. the debug flavour)."""
     p, ac = cfg.parallel, cfg.activation_checkpoint
+    unit, scale = ("GB", 1e9) if max(s.total for s in stages) >= 1e9 else ("MB", 1e6)
+
+    def _gb(x: int) -> str:
+        return f"{x / scale:.1f}"
+
     dtype = "float32" if cfg.training.dtype == "float32" else "bf16 autocast, float32 master weights and AdamW"
     lines = [f"dry run: {cfg.model.family}/{cfg.model.flavour} pp={p.pp} dp={p.dp} (shard {p.dp_shard}) tp={p.tp} "
              f"microbatch {cfg.data.batch_size // p.microbatches} x {cfg.data.seq_len} tokens, {p.schedule}, "
              f"{dtype}, activation checkpoint {ac.mode}" + (f" every {ac.every}" if ac.mode == "selective" else ""),
-             "GB per GPU (1e9 bytes):",
+             f"{unit} per GPU (1 {unit} = {scale:.0e} bytes):",
              f"{'stage':>5} {'layers':>6} {'mb':>3} {'device':<14} {'params':>7} {'grads':>7} {'optim':>7} "
              f"{'copies':>7} {'activ':>7} {'trans':>7} {'total':>7} {'limit':>7}  fits"]
     for s in stages:

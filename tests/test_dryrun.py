@@ -130,3 +130,7 @@ def test_help_lists_every_config_key(capsys: pytest.CaptureFixture[str]) -> None
         for f in dataclasses.fields(typing.get_type_hints(TrainConfig)[sec.name]):
             assert f"\n  {f.name} = " in body, f"{sec.name}.{f.name} missing from bimetal train --help"
     assert "FSDP2 shard degree" in flat and "checkpoint every k-th block" in flat
+    from bimetal.train.keys import config_keys
+    sections, keys = config_keys()
+    assert set(sections) == {f.name for f in dataclasses.fields(TrainConfig)} and all(sections.values())
+    assert [k for k in keys if not k.doc] == []  # every key says what it means

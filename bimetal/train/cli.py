@@ -44,15 +44,25 @@ def _check_implemented(cfg: TrainConfig) -> None:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="bimetal train", description="Train across vendors.")
+    from bimetal.train.keys import format_keys
+
+    parser = argparse.ArgumentParser(prog="bimetal train", description="Train across vendors.",
+                                     epilog=format_keys(), formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="TOML config file")
     parser.add_argument("--simulate", help="simulate vendors on this machine, e.g. nvidia:2,amd:2")
     parser.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
     parser.add_argument("--max-restarts", type=int, default=0,
                         help="with --simulate: restart the ranks this often after a failure; they resume by themselves")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="start nothing: print each stage's memory per GPU against its device and exit")
+    parser.add_argument("--json", action="store_true", help="with --dry-run: the report as JSON")
     ns, rest = parser.parse_known_args(argv)
     overrides = list(rest) + (["--checkpoint.resume=true"] if ns.resume else [])
     cfg = load_config(ns.config, overrides)  # UserError -> one sentence, exit 2 (bimetal.cli)
+    if ns.dry_run:
+        from bimetal.train.dryrun import dry_run
+
+        return dry_run(cfg, ns.json)
     _check_implemented(cfg)
     if cfg.parallel.pp * cfg.parallel.dp > 1:
         _check_transports(cfg)

@@ -51,6 +51,10 @@ class ParallelConfig:
     """Timeout of every collective, in seconds; a hang fails after this long."""
     allow_cross_vendor_dp: bool = False
     """Allow data-parallel groups that span vendors (gradients then cross vendors every step)."""
+    cluster: str = ""
+    """Cluster spec TOML (as for ``bimetal plan``, e.g. ``configs/clusters/h100_mi300x.toml``, relative to the
+    working directory) naming each vendor island's GPU part; ``--dry-run`` sizes every stage against it.
+    Stages take the spec's GPUs in file order. Empty: the dry-run prints bytes without a device limit."""
 
 
 @dataclass

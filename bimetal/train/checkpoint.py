@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
 
 from bimetal.errors import UserError
 
@@ -33,15 +34,25 @@ def training_state(model: nn.Module, opt: torch.optim.Optimizer, stage: int) -> 
 
     ``get_state_dict`` keys optimizer state by parameter name and creates it if no step has run yet, which a
     load needs: DCP fills only the tensors the target already has, so a fresh optimizer would load nothing.
+    A tensor-parallel stage (``DTensor`` parameters) is gathered to whole tensors (a collective over its tp
+    group), so the checkpoint of a stage has the same tensors whatever tp wrote it.
     """
-    model_sd, optim_sd = get_state_dict(model, opt)
+    model_sd, optim_sd = get_state_dict(model, opt, options=_options(model))
     return {f"stage{stage}": {"model": model_sd, "optim": optim_sd}}
 
 
 def apply_training_state(model: nn.Module, opt: torch.optim.Optimizer, stage: int, state: dict[str, Any]) -> None:
     """Put a loaded ``training_state`` back into ``model`` and ``opt``."""
     part = state[f"stage{stage}"]
-    set_state_dict(model, opt, model_state_dict=part["model"], optim_state_dict=part["optim"])
+    set_state_dict(model, opt, model_state_dict=part["model"], optim_state_dict=part["optim"],
+                   options=_options(model))
+
+
+def _options(model: nn.Module) -> StateDictOptions | None:
+    """Whole tensors for a stage whose parameters are ``DTensor``s (loading slices them back locally)."""
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        return StateDictOptions(full_state_dict=True)
+    return None
 
 
 def _barrier(group: dist.ProcessGroup | None) -> None:
@@ -93,13 +104,18 @@ def latest(folder: str | Path) -> Path | None:
     return done[-1] if done else None
 
 
+# Keys added after checkpoints without them were written: their value in those checkpoints.
+_META_DEFAULTS = {"tp": 1}
+
+
 def check_meta(path: Path, meta: dict[str, Any]) -> dict[str, Any]:
     """Raise ``UserError`` if the checkpoint at ``path`` was written for another model or layout."""
     saved = json.loads((path / "meta.json").read_text())
-    for key in ("family", "flavour", "layers_per_stage", "dp"):
-        if saved.get(key) != meta.get(key):
-            raise UserError(f"checkpoint {path} is for {key}={saved.get(key)!r} but this run has {key}="
-                            f"{meta.get(key)!r}; point checkpoint.folder elsewhere or match the config.")
+    for key in ("family", "flavour", "layers_per_stage", "dp", "tp"):
+        was, now = saved.get(key, _META_DEFAULTS.get(key)), meta.get(key, _META_DEFAULTS.get(key))
+        if was != now:
+            raise UserError(f"checkpoint {path} is for {key}={was!r} but this run has {key}={now!r}; point "
+                            "checkpoint.folder elsewhere or match the config.")
     return saved
 
 

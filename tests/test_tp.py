@@ -71,3 +71,23 @@ def test_resume_onto_another_tp_is_refused(tmp_path: Path) -> None:
     checkpoint.check_meta(tmp_path, {**meta, "tp": 1})
     with pytest.raises(UserError, match=r"tp=1 but this run has tp=2"):
         checkpoint.check_meta(tmp_path, meta)
+
+
+def test_planner_writes_tp_plans_the_trainer_accepts(tmp_path: Path) -> None:
+    # Every plan the planner ranks for LLaMA-3-8B at seq 8192 on H100 + MI300X uses tp >= 2 (issue 16); the
+    # config it writes for one carries parallel.tp, and the trainer's pre-launch checks accept it.
+    import tomli_w
+
+    from bimetal.plan.cli import plan_to_train_config
+    from bimetal.plan.search import search
+    from bimetal.plan.spec import load_spec
+    from bimetal.train.cli import _check_implemented
+    from bimetal.train.config import load_config
+
+    ok, _ = search(load_spec(str(HERE.parent / "configs" / "clusters" / "h100_mi300x.toml")), "llama3-8b", 8192, 256)
+    plan = next(p for p in ok if p.tp > 1)
+    out = tmp_path / "plan.toml"
+    out.write_text(tomli_w.dumps(plan_to_train_config(plan)))
+    cfg = load_config(str(out), [])
+    assert (cfg.parallel.pp, cfg.parallel.dp, cfg.parallel.tp) == (plan.pp, plan.dp, plan.tp)
+    _check_implemented(cfg)

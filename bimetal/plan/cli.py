@@ -21,7 +21,7 @@ def plan_to_train_config(p: Plan) -> dict[str, object]:
     """The `bimetal train` config (bimetal.train.config keys) for a plan the trainer can run."""
     m = cost.model_dims(p.model)
     return {"model": {"family": m.family, "flavour": m.flavour},
-            "parallel": {"pp": p.pp, "dp": p.dp, "layers_per_stage": p.layer_split, "schedule": "1f1b",
+            "parallel": {"pp": p.pp, "dp": p.dp, "tp": p.tp, "layers_per_stage": p.layer_split, "schedule": "1f1b",
                          "microbatches": p.microbatches, "pp_transport": p.transport},
             "data": {"seq_len": p.seq, "batch_size": p.micro_batch * p.microbatches}}
 

@@ -3,7 +3,7 @@
 Usage (under ``bimetal launch --simulate nvidia:2``): ``python tp_rank.py OUT_DIR``. Each rank builds the
 debug LLaMA-3 (untied, grouped-query attention) and the debug Qwen2 (tied embeddings, qkv bias) twice, splits
 one copy with ``apply_tp`` over the context's tp group, and compares loss, every gradient, the global norm,
-the collectives issued, and the checkpoint state against the single-device copy. Writes
+the collectives issued, and a checkpoint save/load against the single-device copy. Writes
 ``OUT_DIR/rank<r>.json`` with one entry per check: ``{"case": ..., "ok": bool, "detail": str}``.
 Not collected by pytest (no ``test_`` prefix).
 """
@@ -15,8 +15,11 @@ import os
 import sys
 import traceback
 from datetime import timedelta
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
@@ -35,7 +38,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
-def run_family(family: str, mesh, results: list[dict]) -> None:
+def run_family(family: str, mesh, results: list[dict], folder: Path) -> None:
     def check(case: str, ok: bool, detail: str = "") -> None:
         results.append({"case": f"{family}: {case}", "ok": bool(ok), "detail": detail})
 
@@ -77,31 +80,45 @@ def run_family(family: str, mesh, results: list[dict]) -> None:
     norm_ref, norm_tp = clip_global_norm(ref, 0.0, None, 1), clip_global_norm(tp, 0.0, None, 1)
     check("global norm", abs(norm_tp - norm_ref) <= RTOL * norm_ref, f"{norm_tp} vs {norm_ref}")
 
-    # Checkpoint state after one AdamW step: whole tensors (weights and moments) with the single-device
-    # shapes, equal to the gathered slices; loaded into a fresh tp model (each rank keeping its share) they
-    # are the same tensors again, bit for bit.
+    # Checkpoint after one AdamW step, through checkpoint.save/load as the trainer calls them (tp rank 0
+    # writes): the files hold whole tensors with the single-device shapes, equal to the gathered slices;
+    # loaded into a fresh tp model each rank gets its own slices back bit for bit, and loaded into an
+    # unsplit model the whole tensors.
     opt = torch.optim.AdamW(tp.parameters(), lr=1e-3, foreach=False)
     opt.step()
-    state = checkpoint.training_state(tp, opt, 0)["stage0"]
-    tensors = [*state["model"].values(), *(t for s in state["optim"]["state"].values() for t in s.values())]
-    check("checkpoint holds whole tensors", all(not isinstance(t, DTensor) for t in tensors))
+    rank = dist.get_rank()
+    path = checkpoint.save(folder / family, 1, checkpoint.training_state(tp, opt, 0), {"step": 1}, {}, rank,
+                           writer=rank == 0)
+    stored = dcp.FileSystemReader(str(path / "stage0")).read_metadata().state_dict_metadata
     for name, p in ref.named_parameters():
-        t, mine = state["model"][name], full_tensor(got[name].detach())
-        check(f"checkpoint {name}", t.shape == p.shape and torch.equal(t, mine), f"{tuple(t.shape)}")
-        m = state["optim"]["state"][name]["exp_avg"]
-        check(f"checkpoint exp_avg {name}", torch.equal(m, full_tensor(opt.state[got[name]]["exp_avg"])))
+        size = stored[f"stage0.model.{name}"].size
+        check(f"stored whole {name}", tuple(size) == tuple(p.shape), str(tuple(size)))
+
+    def reload(model: torch.nn.Module) -> torch.optim.Optimizer:
+        o = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+        state = checkpoint.training_state(model, o, 0)
+        checkpoint.load(path, state, 0)
+        checkpoint.apply_training_state(model, o, 0, state)
+        return o
+
     fresh = apply_tp(models.build_model(family, args, seed=99), mesh)
-    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3, foreach=False)
-    checkpoint.apply_training_state(fresh, fresh_opt, 0, {"stage0": state})
+    fresh_opt = reload(fresh)
     for name, p in fresh.named_parameters():
-        check(f"reloaded {name}", torch.equal(full_tensor(p.detach()), full_tensor(got[name].detach())))
         mine = got[name]
-        same_split = (not isinstance(p, DTensor) and not isinstance(mine, DTensor)) or (
-            isinstance(p, DTensor) and isinstance(mine, DTensor) and p.placements == mine.placements
-            and torch.equal(p.to_local(), mine.to_local()))
-        check(f"reloaded slice {name}", same_split)
-        m = fresh_opt.state[p]["exp_avg"]
-        check(f"reloaded exp_avg {name}", torch.equal(full_tensor(m), full_tensor(opt.state[got[name]]["exp_avg"])))
+        same_split = isinstance(p, DTensor) == isinstance(mine, DTensor) and (
+            not isinstance(p, DTensor) or (p.placements == mine.placements and torch.equal(p.to_local(),
+                                                                                         mine.to_local())))
+        check(f"reloaded slice {name}", same_split and torch.equal(_local(p), _local(mine)))
+        m, m0 = fresh_opt.state[p]["exp_avg"], opt.state[mine]["exp_avg"]
+        check(f"reloaded exp_avg {name}", torch.equal(_local(m), _local(m0)))
+    whole = models.build_model(family, args, seed=99)
+    reload(whole)
+    for name, p in whole.named_parameters():
+        check(f"reloaded unsplit {name}", torch.equal(p.detach(), full_tensor(got[name].detach())))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def main() -> None:
@@ -111,7 +128,7 @@ def main() -> None:
     results: list[dict] = []
     for family in ("llama3", "qwen2"):
         try:
-            run_family(family, mesh, results)
+            run_family(family, mesh, results, Path(out))
         except Exception:  # noqa: BLE001  (recorded as a failed case; the test prints it)
             results.append({"case": family, "ok": False, "detail": traceback.format_exc()[-2000:]})
     with open(os.path.join(out, f"rank{ctx.rank}.json"), "w") as f:

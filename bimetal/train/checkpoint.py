@@ -8,6 +8,9 @@ bimetal network path unpickles anything; the only traffic here is tensor barrier
 ``COMPLETE`` is a half-written save and is never loaded. Everything is written into ``.tmp-step-N`` first and
 renamed once all ranks are done, so a crash leaves at most a temp folder that the next save replaces.
 Per-rank state that is not a tensor (data position, RNG) goes into ``extra-rank<R>.json``: JSON, not pickle.
+A tensor-parallel stage is saved as whole tensors (its tp ranks gather each ``DTensor``, tp rank 0 writes)
+and each rank loads only its own slices; ``meta.json`` records tp, and a resume onto another tp is refused
+because the per-rank extras belong to the old layout's ranks.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
 from bimetal.errors import UserError
@@ -34,25 +37,30 @@ def training_state(model: nn.Module, opt: torch.optim.Optimizer, stage: int) -> 
 
     ``get_state_dict`` keys optimizer state by parameter name and creates it if no step has run yet, which a
     load needs: DCP fills only the tensors the target already has, so a fresh optimizer would load nothing.
-    A tensor-parallel stage (``DTensor`` parameters) is gathered to whole tensors (a collective over its tp
-    group), so the checkpoint of a stage has the same tensors whatever tp wrote it.
+    A tensor-parallel stage gives ``DTensor``s (each rank's slice); ``save`` gathers them, ``load`` reads
+    only each rank's slice back.
     """
-    model_sd, optim_sd = get_state_dict(model, opt, options=_options(model))
+    model_sd, optim_sd = get_state_dict(model, opt)
     return {f"stage{stage}": {"model": model_sd, "optim": optim_sd}}
 
 
 def apply_training_state(model: nn.Module, opt: torch.optim.Optimizer, stage: int, state: dict[str, Any]) -> None:
     """Put a loaded ``training_state`` back into ``model`` and ``opt``."""
     part = state[f"stage{stage}"]
-    set_state_dict(model, opt, model_state_dict=part["model"], optim_state_dict=part["optim"],
-                   options=_options(model))
+    set_state_dict(model, opt, model_state_dict=part["model"], optim_state_dict=part["optim"])
 
 
-def _options(model: nn.Module) -> StateDictOptions | None:
-    """Whole tensors for a stage whose parameters are ``DTensor``s (loading slices them back locally)."""
-    if any(isinstance(p, DTensor) for p in model.parameters()):
-        return StateDictOptions(full_state_dict=True)
-    return None
+def _whole(state: Any, keep: bool) -> Any:
+    """``state`` with every ``DTensor`` gathered into a whole CPU tensor, one at a time (a collective over its
+    mesh: every rank holding slices calls this, in the same order); ``keep=False`` takes part and drops."""
+    if isinstance(state, dict):
+        return {k: _whole(v, keep) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_whole(v, keep) for v in state]
+    if isinstance(state, DTensor):
+        whole = state.full_tensor()
+        return whole.cpu() if keep else None
+    return state
 
 
 def _barrier(group: dist.ProcessGroup | None) -> None:
@@ -75,7 +83,10 @@ def save(folder: str | Path, step: int, state: dict[str, Any], extra: dict[str, 
 
     Every rank calls this; ``group`` is the group spanning all ranks (None = world). ``shard`` names this
     rank's part (its stage) and ``writer`` says whether this rank writes it (one replica per stage does).
+    ``DTensor`` slices (tensor parallelism) are gathered first, so a stage's part holds whole tensors and
+    does not depend on tp; ``load`` into ``DTensor``s reads just each rank's slice of them.
     """
+    state = _whole(state, keep=writer)
     root = Path(folder)
     final, tmp = root / f"step-{step:06d}", root / f".tmp-step-{step:06d}"
     if rank == 0:

@@ -18,6 +18,7 @@ from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
 from bimetal.errors import UserError
 from bimetal.train.pp_comms import MeteredStage, TPBoundary, broadcast_from_last
+from bimetal.train.tp import shard_stage_shape
 
 SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
 
@@ -60,8 +61,6 @@ class StageModule(nn.Module):
 
 def _tp_share(example: torch.Tensor, tp: int) -> torch.Tensor:
     """One tp rank's share of a boundary activation example (hidden dim split by ``tp``)."""
-    from bimetal.train.tp import shard_stage_shape
-
     return torch.zeros(shard_stage_shape(tuple(example.shape), tp), dtype=example.dtype, device=example.device)
 
 

@@ -10,6 +10,9 @@ checkpoint damaged afterwards (a file cut short or lost) is recognised before lo
 before it. ``prune`` keeps the newest ``checkpoint.keep_last``. Everything is written into ``.tmp-step-N`` first and
 renamed once all ranks are done, so a crash leaves at most a temp folder that the next save replaces.
 Per-rank state that is not a tensor (data position, RNG) goes into ``extra-rank<R>.json``: JSON, not pickle.
+A tensor-parallel stage is saved as whole tensors (its tp ranks gather each ``DTensor``, tp rank 0 writes)
+and each rank loads only its own slices; ``meta.json`` records tp, and a resume onto another tp is refused
+because the per-rank extras belong to the old layout's ranks.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
 
 from bimetal.errors import UserError
 
@@ -40,6 +44,8 @@ def training_state(model: nn.Module, opt: torch.optim.Optimizer, stage: int) -> 
 
     ``get_state_dict`` keys optimizer state by parameter name and creates it if no step has run yet, which a
     load needs: DCP fills only the tensors the target already has, so a fresh optimizer would load nothing.
+    A tensor-parallel stage gives ``DTensor``s (each rank's slice); ``save`` gathers them, ``load`` reads
+    only each rank's slice back.
     """
     model_sd, optim_sd = get_state_dict(model, opt)
     return {f"stage{stage}": {"model": model_sd, "optim": optim_sd}}
@@ -49,6 +55,19 @@ def apply_training_state(model: nn.Module, opt: torch.optim.Optimizer, stage: in
     """Put a loaded ``training_state`` back into ``model`` and ``opt``."""
     part = state[f"stage{stage}"]
     set_state_dict(model, opt, model_state_dict=part["model"], optim_state_dict=part["optim"])
+
+
+def _whole(state: Any, keep: bool) -> Any:
+    """``state`` with every ``DTensor`` gathered into a whole CPU tensor, one at a time (a collective over its
+    mesh: every rank holding slices calls this, in the same order); ``keep=False`` takes part and drops."""
+    if isinstance(state, dict):
+        return {k: _whole(v, keep) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_whole(v, keep) for v in state]
+    if isinstance(state, DTensor):
+        whole = state.full_tensor()
+        return whole.cpu() if keep else None
+    return state
 
 
 def _barrier(group: dist.ProcessGroup | None) -> None:
@@ -71,7 +90,10 @@ def save(folder: str | Path, step: int, state: dict[str, Any], extra: dict[str, 
 
     Every rank calls this; ``group`` is the group spanning all ranks (None = world). ``shard`` names this
     rank's part (its stage) and ``writer`` says whether this rank writes it (one replica per stage does).
+    ``DTensor`` slices (tensor parallelism) are gathered first, so a stage's part holds whole tensors and
+    does not depend on tp; ``load`` into ``DTensor``s reads just each rank's slice of them.
     """
+    state = _whole(state, keep=writer)
     root = Path(folder)
     final, tmp = root / f"step-{step:06d}", root / f".tmp-step-{step:06d}"
     if rank == 0:
@@ -169,13 +191,18 @@ def prune(folder: str | Path, keep_last: int) -> list[Path]:
     return gone
 
 
+# Keys added after checkpoints without them were written: their value in those checkpoints.
+_META_DEFAULTS = {"tp": 1}
+
+
 def check_meta(path: Path, meta: dict[str, Any]) -> dict[str, Any]:
     """Raise ``UserError`` if the checkpoint at ``path`` was written for another model or layout."""
     saved = json.loads((path / "meta.json").read_text())
-    for key in ("family", "flavour", "layers_per_stage", "dp"):
-        if saved.get(key) != meta.get(key):
-            raise UserError(f"checkpoint {path} is for {key}={saved.get(key)!r} but this run has {key}="
-                            f"{meta.get(key)!r}; point checkpoint.folder elsewhere or match the config.")
+    for key in ("family", "flavour", "layers_per_stage", "dp", "tp"):
+        was, now = saved.get(key, _META_DEFAULTS.get(key)), meta.get(key, _META_DEFAULTS.get(key))
+        if was != now:
+            raise UserError(f"checkpoint {path} is for {key}={was!r} but this run has {key}={now!r}; point "
+                            "checkpoint.folder elsewhere or match the config.")
     return saved
 
 

@@ -33,8 +33,11 @@ def _check_transports(cfg: TrainConfig) -> None:
 def _check_implemented(cfg: TrainConfig) -> None:
     """Refuse layout keys this build of the trainer does not run yet, before any rank starts."""
     p = cfg.parallel
-    if p.tp > 1:
-        raise UserError(f"parallel.tp={p.tp}: this build of the trainer runs only tp=1; set --parallel.tp=1.")
+    if p.tp > 1:  # the model's shapes must split by tp; refused here rather than on every rank
+        from bimetal.train.tp import check_tp
+        from bimetal.train.trainer import _model_args
+
+        check_tp(_model_args(cfg), p.tp, f"{cfg.model.family}/{cfg.model.flavour}")
     if p.dp_shard > 1:
         raise UserError(f"parallel.dp_shard={p.dp_shard}: this build of the trainer does not shard yet; "
                         "set --parallel.dp_shard=1.")
@@ -64,7 +67,7 @@ def main(argv: list[str]) -> int:
 
         return dry_run(cfg, ns.json)
     _check_implemented(cfg)
-    if cfg.parallel.pp * cfg.parallel.dp > 1:
+    if cfg.parallel.pp * cfg.parallel.dp * cfg.parallel.tp > 1:
         _check_transports(cfg)
     if ns.simulate and "RANK" not in os.environ:
         from bimetal.launch import launch

@@ -31,6 +31,7 @@ from bimetal.train.metrics import StepMetrics, cluster_peak_flops
 from bimetal.train.optim import average_gradients, build_optimizer, build_scheduler, clip_global_norm
 from bimetal.train.pipeline import PipelineRunner, StageModule, stage_layer_ids
 from bimetal.train.tokenizer import build_tokenizer
+from bimetal.train.tp import apply_tp, check_tp, tp_mesh
 
 
 def _loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -142,16 +143,17 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         raise UserError(f"tokenizer {cfg.data.tokenizer!r} has {tok.vocab_size} tokens but model "
                         f"{cfg.model.family}/{cfg.model.flavour} has only {args.vocab_size}; match them.")
     split = cfg.stage_split(args.n_layers)
+    check_tp(args, cfg.parallel.tp, f"{cfg.model.family}/{cfg.model.flavour}")
     torch.manual_seed(cfg.training.seed)
     torch.set_num_threads(int(os.environ.get("BIMETAL_THREADS", "1")))
     if cfg.training.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
 
     ctx = None
-    if cfg.parallel.pp * cfg.parallel.dp > 1:
+    if cfg.parallel.pp * cfg.parallel.dp * cfg.parallel.tp > 1:
         from bimetal.parallel import ParallelDims, init_parallel
 
-        ctx = init_parallel(ParallelDims(pp=cfg.parallel.pp, dp=cfg.parallel.dp,
+        ctx = init_parallel(ParallelDims(pp=cfg.parallel.pp, dp=cfg.parallel.dp, tp=cfg.parallel.tp,
                                          allow_cross_vendor_dp=cfg.parallel.allow_cross_vendor_dp),
                             transports={"pp": cfg.parallel.pp_transport, "dp": cfg.parallel.dp_transport},
                             timeout=timedelta(seconds=cfg.parallel.timeout_s))
@@ -176,6 +178,9 @@ def _run(cfg: TrainConfig, ctx: Any, models: Any, args: Any, split: list[int], t
     # Only this stage's tensors are ever allocated (an 8B model would not fit 8 ranks' host memory whole).
     model = models.build_stage(family, args, stage_layer_ids(split, stage), stage == 0, stage == n_stages - 1,
                                device=device, seed=cfg.model.seed)
+    mesh = tp_mesh(ctx.tp_group, device) if ctx is not None and ctx.tp_size > 1 else None
+    if mesh is not None:  # tensor parallelism first (then activation checkpointing, then FSDP: torchtitan's order)
+        apply_tp(model, mesh)
     opt = build_optimizer(model, cfg.optim)
     sched = build_scheduler(opt, cfg.optim, cfg.training.steps)
     stream = TokenStream(tokens, cfg.data.seq_len, cfg.data.batch_size, dp_rank, dp_size, cfg.training.seed)
@@ -188,10 +193,11 @@ def _run(cfg: TrainConfig, ctx: Any, models: Any, args: Any, split: list[int], t
         logits = torch.zeros(mb, seq, args.vocab_size, device=device)
         runner = PipelineRunner(model, stage, n_stages, ctx.pp_group, n_mb, cfg.parallel.schedule, _loss_fn,
                                 device, ids if stage == 0 else hidden, logits if stage == n_stages - 1 else hidden,
-                                autocast_dtype=amp)
+                                autocast_dtype=amp, tp_mesh=mesh)
     local = StageModule(model, amp, device.type)
     folder = cfg.checkpoint.folder or f"{cfg.metrics.run_dir}/checkpoints"
-    meta = {"family": family, "flavour": cfg.model.flavour, "layers_per_stage": split, "dp": dp_size}
+    meta = {"family": family, "flavour": cfg.model.flavour, "layers_per_stage": split, "dp": dp_size,
+            "tp": cfg.parallel.tp}
     start = 0
     # A rank restarted by torchrun (--max-restarts) resumes by itself: it loses at most one interval.
     resume = cfg.checkpoint.resume or not faults.first_attempt()
@@ -260,7 +266,8 @@ def _run(cfg: TrainConfig, ctx: Any, models: Any, args: Any, split: list[int], t
         if (every and (step + 1) % every == 0) or step + 1 == cfg.training.steps:
             checkpoint.save(folder, step + 1, checkpoint.training_state(model, opt, stage),
                             {"step": step + 1, "sched": sched.state_dict(), "data": stream.state_dict(),
-                             "rng": checkpoint.rng_state()}, meta, rank, shard=f"stage{stage}", writer=dp_rank == 0)
+                             "rng": checkpoint.rng_state()}, meta, rank, shard=f"stage{stage}",
+                            writer=dp_rank == 0 and (ctx is None or ctx.tp_rank == 0))
             if rank == 0:
                 checkpoint.prune(folder, cfg.checkpoint.keep_last)
         faults.after_step(rank, step + 1)  # fault injection for the reliability tests; no-op unless configured

@@ -52,6 +52,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--top", type=int, default=10)
     ap.add_argument("--json", action="store_true", help="machine-readable output")
     ap.add_argument("--write", metavar="PATH", help="write the best plan as a `bimetal train` config TOML")
+    ap.add_argument("--write-titan", metavar="PATH",
+                    help="write the best plan torchtitan runs as `bimetal titan --plan` overrides")
     ap.add_argument("--explain", action="store_true", help="step-time breakdown of the best plan")
     a = ap.parse_args(argv)
     if a.model not in cost.MODELS:
@@ -94,4 +96,18 @@ def main(argv: list[str]) -> int:
         if not a.json:
             rank = ok.index(runnable[0]) + 1
             print(f"best plan `bimetal train` can run (#{rank}) written to {a.write}")
+    if a.write_titan:
+        _write_titan(a.write_titan, ok, spec, a.spec, quiet=a.json)
     return 0
+
+
+def _write_titan(path: str, ok: list[Plan], spec: ClusterSpec, spec_path: str, quiet: bool) -> None:
+    from bimetal.integrations.torchtitan.plan import runs_on_torchtitan, write_titan
+
+    runnable = [p for p in ok if runs_on_torchtitan(p, len({g.vendor for g in spec.groups}))]
+    if not runnable:
+        raise UserError(f"no plan for {ok[0].model} on {spec_path} runs on torchtitan (a torchtitan model, pp>1 "
+                        "across vendors); plan llama3-8b or use more GPUs.")
+    write_titan(path, runnable[0], cost.model_dims(runnable[0].model).layers, spec_path)
+    if not quiet:
+        print(f"best plan torchtitan can run (#{ok.index(runnable[0]) + 1}) written to {path}")

@@ -60,9 +60,14 @@ def _plan_args(plan: dict[str, Any], titan_args: list[str]) -> list[str]:
     for key, value in plan.get("torchtitan", {}).items():
         if key == "parallelism.module_fqns_per_model_part" or _given(titan_args, key):
             continue
-        if isinstance(value, bool):
-            value = str(value)
+        if isinstance(value, bool):  # torchtitan's parser takes booleans as --a.b / --a.no-b
+            section, _, name = key.rpartition(".")
+            out.append(f"--{key}" if value else f"--{section}.no-{name}")
+            continue
         out.append(f"--{key}={value}")
+    for flag in ("module", "config"):
+        if flag in plan.get("bimetal", {}) and not _given(titan_args, flag):
+            out.append(f"--{flag}={plan['bimetal'][flag]}")
     return out
 
 

@@ -110,6 +110,20 @@ def load_config(titan_args: list[str], cpu: bool, split: list[int] | None, plan:
     return config
 
 
+def check_supported(config: Any, world: int) -> None:
+    """Refuse, in one sentence, a combination measured to fail with torch 2.13 (rather than a traceback later)."""
+    import torch
+
+    par = config.parallelism
+    rest = par.pipeline_parallel_degree * par.data_parallel_replicate_degree * par.context_parallel_degree
+    shard = par.data_parallel_shard_degree if par.data_parallel_shard_degree > 0 else world // max(
+        rest * par.tensor_parallel_degree, 1)
+    if shard > 1 and par.spmd_backend == "spmd_types" and torch.__version__.startswith("2.13"):
+        raise UserError("FSDP (data_parallel_shard_degree > 1) with parallelism.spmd_backend=spmd_types fails inside "
+                        "fully_shard on torch 2.13 with torchtitan 0.3.0; pass "
+                        "--parallelism.spmd_backend=partial_dtensor")
+
+
 def _module_name(titan_args: list[str]) -> str:
     for i, a in enumerate(titan_args):
         if a.startswith("--module="):
@@ -156,6 +170,7 @@ def _launch_simulated(opts: argparse.Namespace, titan_args: list[str], split: li
     if not _given(titan_args, "training.disable_cuda_graphs"):  # no CUDA graphs on CPU
         titan_args = ["--training.disable_cuda_graphs"] + titan_args
     config = load_config(titan_args, cpu=True, split=split, plan={})
+    check_supported(config, len(vendors))
     par = config.parallelism
     degrees = {"pp": par.pipeline_parallel_degree, "dp_replicate": par.data_parallel_replicate_degree,
                "dp_shard": par.data_parallel_shard_degree, "cp": par.context_parallel_degree,
@@ -188,6 +203,7 @@ def run_rank(titan_args: list[str], cpu: bool, split: list[int] | None, pp_trans
 
     init_logger()
     config = load_config(titan_args, cpu=cpu, split=split, plan={})
+    check_supported(config, int(os.environ.get("WORLD_SIZE", "1")))
     trainer = None
     try:
         trainer = BimetalTrainer(config, BimetalOptions(pp_transport=pp_transport, all_gloo=all_gloo, cpu=cpu))

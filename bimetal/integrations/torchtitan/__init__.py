@@ -5,6 +5,7 @@ Install with ``pip install 'bimetal[torchtitan]'`` (pinned to ``TORCHTITAN_VERSI
 
 * ``mesh``: which back-end each torchtitan mesh dimension gets (pure Python), the refusal of mixed native dims;
 * ``_torch_hooks``: the one private torch API hooked (where DeviceMesh creates a dimension's groups);
+* ``_torch_compat``: adapters for two torch APIs torchtitan 0.3.0 calls that torch 2.13 lacks;
 * ``trainer``: ``BimetalTrainer`` / ``BimetalParallelDims``, torchtitan's public extension points;
 * ``split``: bimetal's layer split as ``parallelism.module_fqns_per_model_part``;
 * ``plan``: a planner plan as a torchtitan overrides file (``bimetal plan --write-titan``);

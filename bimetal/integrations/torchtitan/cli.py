@@ -199,8 +199,10 @@ def run_rank(titan_args: list[str], cpu: bool, split: list[int] | None, pp_trans
         cpu_support.install(_module_name(titan_args))
     from torchtitan.tools.logging import init_logger
 
+    from bimetal.integrations.torchtitan import _torch_compat
     from bimetal.integrations.torchtitan.trainer import BimetalOptions, BimetalTrainer
 
+    _torch_compat.install()
     init_logger()
     config = load_config(titan_args, cpu=cpu, split=split, plan={})
     check_supported(config, int(os.environ.get("WORLD_SIZE", "1")))

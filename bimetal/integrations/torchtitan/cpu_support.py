@@ -14,9 +14,9 @@ Each stand-in replaces something torchtitan needs and a CPU-only torch 2.13 does
   bimetal ships.
 * **PREMUL_SUM**: FSDP2 reduce-scatters with ``ReduceOp.PREMUL_SUM`` when it divides gradients; Gloo has
   no such op, so FSDP is told to divide after a plain SUM (the same arithmetic).
-* **torch newer than 2.13**: ``torch.distributed.set_timeout`` (called after step 1) is given a version
-  that sets the default timeout of the group's Gloo back-end; ``schedule.step(arg_mbs=..., kwarg_mbs=...,
-  target_mbs=...)`` hands the ready microbatches to 2.13's ``_step_microbatches``.
+
+The two torch APIs torchtitan 0.3.0 calls that are newer than torch 2.13 are not CPU matters (a GPU user on
+torch 2.13 needs them too): they are adapted in ``_torch_compat``, only where torch lacks them.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ import sys
 import types
 from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -57,8 +56,6 @@ def install(model_module: str = "llama3") -> None:
                 break
             except ImportError:
                 continue
-    _set_timeout()
-    _pipeline_step()
     _installed = True
 
 
@@ -157,50 +154,6 @@ def _cpu_device_module() -> types.ModuleType:
     module.reset_peak_memory_stats = lambda device=None: None  # type: ignore[attr-defined]
     module.empty_cache = lambda: None  # type: ignore[attr-defined]
     return module
-
-
-def _set_timeout() -> None:
-    import torch.distributed as dist
-
-    if hasattr(dist, "set_timeout"):
-        return
-
-    def set_timeout(timeout: timedelta, group: Any = None) -> None:
-        pg = group if group is not None else dist.distributed_c10d._get_default_group()
-        # a Python back-end (bimetal's) has no C++ Gloo under it and keeps the timeout it was created with
-        with contextlib.suppress(RuntimeError, AttributeError):
-            pg._get_backend(torch.device("cpu"))._set_default_timeout(timeout)
-
-    dist.set_timeout = set_timeout  # type: ignore[attr-defined]
-
-
-def _pipeline_step() -> None:
-    import inspect
-
-    from torch.distributed.pipelining import schedules
-
-    if "arg_mbs" in inspect.signature(schedules._PipelineSchedule.step).parameters:
-        return
-    for cls in (schedules.PipelineScheduleSingle, schedules.PipelineScheduleMulti):
-        cls.step = _wrap_step(cls.step)  # type: ignore[method-assign]
-
-
-def _wrap_step(step: Any) -> Any:
-    def adapted(self: Any, *args: Any, arg_mbs: Any = None, kwarg_mbs: Any = None, target_mbs: Any = None,
-                losses: Any = None, return_outputs: bool = True, loss_kwargs: Any = None, **kwargs: Any) -> Any:
-        if arg_mbs is None and kwarg_mbs is None and target_mbs is None:
-            return step(self, *args, losses=losses, return_outputs=return_outputs, loss_kwargs=loss_kwargs,
-                        **kwargs)
-        # torch 2.13's step() splits a whole batch; the microbatches are already split, so run its
-        # per-step set-up and hand them to _step_microbatches, as newer torch does.
-        stages = getattr(self, "_stages", None) or [self._stage]
-        for stage in stages:
-            stage.has_backward = self._has_backward
-            stage.clear_runtime_states()
-        self._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs=loss_kwargs)
-        return None
-
-    return adapted
 
 
 def sdpa_attention_config() -> Any:

@@ -184,7 +184,7 @@ def _launch_simulated(opts: argparse.Namespace, titan_args: list[str], split: li
         rank_argv.append("--all-gloo")
     code = launch(rank_argv + titan_args, simulate=opts.simulate,
                   extra_env={"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
-    return 2 if code == 2 else code
+    return code
 
 
 def run_rank(titan_args: list[str], cpu: bool, split: list[int] | None, pp_transport: str,

@@ -80,8 +80,9 @@ def _dump_folder(titan_args: list[str]) -> str:
     return "./outputs"
 
 
-def load_config(titan_args: list[str], cpu: bool, split: list[int] | None, plan: dict[str, Any]) -> Any:
-    """torchtitan's config from its own parser, then the split and (on CPU) the attention stand-in."""
+def load_config(titan_args: list[str], cpu: bool, split: list[int] | None) -> Any:
+    """torchtitan's config from its own parser, then the split (recomputed for the schedule in use: a plan's
+    per-rank counts also fit an interleaved run) and, on CPU, the attention stand-in."""
     from torchtitan.config import ConfigManager
 
     try:
@@ -97,12 +98,13 @@ def load_config(titan_args: list[str], cpu: bool, split: list[int] | None, plan:
         if len(split) != par.pipeline_parallel_degree:
             raise UserError(f"--layers-per-stage has {len(split)} entries but parallelism.pipeline_parallel_degree "
                             f"is {par.pipeline_parallel_degree}; give one layer count per pipeline rank")
-        single = issubclass(get_schedule_class(par.pipeline_parallel_schedule), PipelineScheduleSingle)
+        try:
+            single = issubclass(get_schedule_class(par.pipeline_parallel_schedule), PipelineScheduleSingle)
+        except ValueError as exc:
+            raise UserError(f"parallelism.pipeline_parallel_schedule: {exc}") from exc
         n_layers = len(config.model_spec.model.layers)
         par.module_fqns_per_model_part = module_fqns_per_model_part(
             n_layers, split, 1 if single else 2, par.pipeline_parallel_schedule)
-    elif "parallelism.module_fqns_per_model_part" in plan.get("torchtitan", {}):
-        par.module_fqns_per_model_part = plan["torchtitan"]["parallelism.module_fqns_per_model_part"]
     if cpu:
         from bimetal.integrations.torchtitan import cpu_support
 
@@ -169,7 +171,7 @@ def _launch_simulated(opts: argparse.Namespace, titan_args: list[str], split: li
         titan_args = [f"--dataloader.dataset_path={data_dir}"] + titan_args
     if not _given(titan_args, "training.disable_cuda_graphs"):  # no CUDA graphs on CPU
         titan_args = ["--training.disable_cuda_graphs"] + titan_args
-    config = load_config(titan_args, cpu=True, split=split, plan={})
+    config = load_config(titan_args, cpu=True, split=split)
     check_supported(config, len(vendors))
     par = config.parallelism
     degrees = {"pp": par.pipeline_parallel_degree, "dp_replicate": par.data_parallel_replicate_degree,
@@ -204,7 +206,7 @@ def run_rank(titan_args: list[str], cpu: bool, split: list[int] | None, pp_trans
 
     _torch_compat.install()
     init_logger()
-    config = load_config(titan_args, cpu=cpu, split=split, plan={})
+    config = load_config(titan_args, cpu=cpu, split=split)
     check_supported(config, int(os.environ.get("WORLD_SIZE", "1")))
     trainer = None
     try:

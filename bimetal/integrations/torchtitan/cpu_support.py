@@ -5,7 +5,9 @@ Each stand-in replaces something torchtitan needs and a CPU-only torch 2.13 does
 
 * **Triton**: absent on CPU; torchtitan imports its kernels at import time (see ``_no_triton``).
 * **device type**: torchtitan falls back to device type ``"cuda"`` when no accelerator is visible; the
-  stand-in makes its device helpers answer ``"cpu"`` / ``torch.cpu``.
+  stand-in makes its device helpers answer ``"cpu"`` and a device module (``torch.cpu`` plus the memory
+  calls its metrics make).
+* **CUDA graphs**: none on CPU; ``bimetal titan --simulate`` adds ``--training.disable_cuda_graphs``.
 * **attention**: FlexAttention has no backward on CPU; ``SdpaDocumentAttention`` computes the same
   causal, document-masked attention (the varlen contract: ``cu_seqlens`` over packed documents) with
   ``scaled_dot_product_attention`` and a dense mask.

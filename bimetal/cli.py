@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "train": ("bimetal.train.cli", "main", "train LLaMA-3 / Qwen2 across vendors"),
     "plan": ("bimetal.plan.cli", "main", "rank layouts for a cluster spec with the cost model"),
     "profile": ("bimetal.plan.cli", "profile_main", "time model layers on the local device for the planner"),
+    "titan": ("bimetal.integrations.torchtitan.cli", "main", "torchtitan's trainer across vendors"),
     "lab": ("bimetal.lab.cli", "main", "bring up an emulated multi-node cluster and run a job on it"),
     "bench": ("bimetal.cli", "bench_main", "benchmarks: 'bench comm', 'bench ladder'"),
 }

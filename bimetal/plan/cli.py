@@ -63,6 +63,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--top", type=int, default=10)
     ap.add_argument("--json", action="store_true", help="machine-readable output")
     ap.add_argument("--write", metavar="PATH", help="write the best plan as a `bimetal train` config TOML")
+    ap.add_argument("--write-titan", metavar="PATH",
+                    help="write the best plan torchtitan runs as `bimetal titan --plan` overrides")
     ap.add_argument("--explain", action="store_true", help="step-time breakdown of the best plan")
     ap.add_argument("--allow-cross-vendor-dp", action="store_true",
                     help="--write may choose a plan whose data-parallel groups span vendors (pp=1 on a mixed "
@@ -113,4 +115,18 @@ def main(argv: list[str]) -> int:
         if not a.json:
             print(f"best plan the trainer runs (#{ok.index(runnable[0]) + 1}) written to {a.write}; "
                   f"`bimetal train --config {a.write} --dry-run` checks its memory")
+    if a.write_titan:
+        _write_titan(a.write_titan, ok, spec, a.spec, quiet=a.json)
     return 0
+
+
+def _write_titan(path: str, ok: list[Plan], spec: ClusterSpec, spec_path: str, quiet: bool) -> None:
+    from bimetal.integrations.torchtitan.plan import runs_on_torchtitan, write_titan
+
+    runnable = [p for p in ok if runs_on_torchtitan(p, len({g.vendor for g in spec.groups}))]
+    if not runnable:
+        raise UserError(f"no plan for {ok[0].model} on {spec_path} runs on torchtitan (a torchtitan model, pp>1 "
+                        "across vendors); plan llama3-8b or use more GPUs.")
+    write_titan(path, runnable[0], cost.model_dims(runnable[0].model).layers, spec_path)
+    if not quiet:
+        print(f"best plan torchtitan can run (#{ok.index(runnable[0]) + 1}) written to {path}")

@@ -54,6 +54,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--write", metavar="PATH", help="write the best plan as a `bimetal train` config TOML")
     ap.add_argument("--explain", action="store_true", help="step-time breakdown of the best plan")
     a = ap.parse_args(argv)
+    for flag, value in (("--seq", a.seq), ("--global-batch", a.global_batch), ("--top", a.top)):
+        if value < 1:
+            raise UserError(f"{flag} {value} must be a positive integer.")
     if a.model not in cost.MODELS:
         raise UserError(f"unknown model flavour {a.model!r}; pass --model one of {', '.join(cost.MODELS)}.")
     spec = load_spec(a.spec)

@@ -80,7 +80,7 @@ def _how(code: int) -> str:
             return f"was killed by {signal.Signals(-code).name}"
         except ValueError:
             return f"was killed by signal {-code}"
-    return f"exited with status {code} without saying why"
+    return f"exited with status {code}"
 
 
 @dataclass
@@ -126,7 +126,7 @@ class RankSupervisor:
             for attempt in range(self.max_restarts + 1):
                 outcome = self._attempt(attempt, store.port, root / f"attempt{attempt}")
                 if outcome.restartable and attempt < self.max_restarts and self._signal is None:
-                    print(f"{self.name}: {outcome.lines[0]}; restarting all {self.nproc} ranks "
+                    print(f"{self.name}: {outcome.lines[0].rstrip('.')}; restarting all {self.nproc} ranks "
                           f"(restart {attempt + 1} of {self.max_restarts}).", file=sys.stderr, flush=True)
                     continue
                 for line in outcome.lines:
@@ -212,7 +212,10 @@ class RankSupervisor:
 
     def _steps_text(self, folder: Path, rank: int) -> str:
         step = self._last_step(folder, rank)
-        return f"after completing step {step}" if step is not None else "before completing a step"
+        if step is not None:
+            return f" after completing step {step}"
+        # a job that counts steps (some rank noted one) but not this rank: it died in its first step
+        return " before completing a step" if any(folder.glob("rank-*.step")) else ""
 
     def _interrupted(self, folder: Path) -> _Outcome:
         sig = self._signal or signal.SIGTERM
@@ -228,8 +231,8 @@ class RankSupervisor:
         if user:  # the same mistake seen by several ranks is one sentence
             return _Outcome(2, [user[0][1]])
         dead = [rk for rk in ranks if rk.code not in (None, 0) and not reports[rk.rank] and not rk.stopped_by_us]
-        lines = [f"{rk.label()} {_how(rk.code or 0)} {self._steps_text(folder, rk.rank)}; the job stopped."
-                 for rk in dead]
+        lines = [f"{rk.label()} {_how(rk.code or 0)}{self._steps_text(folder, rk.rank)}"
+                 + ("." if restartable else "; the job stopped.") for rk in dead]
         said = sorted((rep.get("time", 0.0), rep["message"]) for rep in reports.values()
                       if isinstance(rep.get("message"), str))
         lines += [message for _, message in said]

@@ -186,3 +186,30 @@ def test_sigterm_to_bimetal_train_stops_every_rank(tmp_path: Path) -> None:
     assert "stopped by SIGTERM: all 2 ranks it started are stopped" in err, err
     gone, alive = psutil.wait_procs(ranks, timeout=5)
     assert not alive, alive
+
+
+def _record(step: int) -> dict:
+    return {"step": step, "loss": 5.0 - step / 10, "tokens_per_s": 1000.0, "mfu": None, "lr": 1e-3,
+            "xvendor_comm_s": 0.01, "xvendor_bytes": 2_000_000, "step_s": 2.0}
+
+
+def test_step_line_is_a_progress_bar_on_a_terminal_and_plain_lines_elsewhere() -> None:
+    import io
+
+    from bimetal.train.console import StepConsole
+
+    plain = io.StringIO()
+    console = StepConsole(total=10, log_every=5, stream=plain, tty=False)
+    for step in range(1, 11):
+        console.show(_record(step))
+    lines = plain.getvalue().splitlines()
+    assert [line.split("|")[0].strip() for line in lines] == ["step     5/10", "step    10/10"], lines
+    assert "\r" not in plain.getvalue() and "eta 10s" in lines[0] and "eta 0s" in lines[1], lines
+
+    term = io.StringIO()
+    console = StepConsole(total=10, log_every=5, stream=term, tty=True)
+    for step in range(1, 4):
+        console.show(_record(step))
+    frames = term.getvalue().split("\r")
+    assert frames[-1].startswith("\x1b[K[#######.................]  30% step 3/10 loss 4.7000 eta 14s"), frames
+    assert "\n" not in term.getvalue()  # redrawn in place until a log_every step

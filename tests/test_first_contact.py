@@ -213,3 +213,31 @@ def test_step_line_is_a_progress_bar_on_a_terminal_and_plain_lines_elsewhere() -
     frames = term.getvalue().split("\r")
     assert frames[-1].startswith("\x1b[K[#######.................]  30% step 3/10 loss 4.7000 eta 14s"), frames
     assert "\n" not in term.getvalue()  # redrawn in place until a log_every step
+
+
+BAD_VALUES = {"BIMETAL_SIMULATE": "nvidia", "BIMETAL_VENDOR": "intel", "BIMETAL_CF_STRIPES": "abc",
+              "BIMETAL_CF_IFACES": "eth0,,eth1", "BIMETAL_CF_CHUNK_BYTES": "512", "BIMETAL_CF_POOL_BUFFERS": "1",
+              "BIMETAL_CF_CHECKSUM": "yes", "BIMETAL_CF_STALL_S": "nan", "BIMETAL_DD_PROTOCOL": "ib",
+              "BIMETAL_DD_ENGINE": "nixl", "BIMETAL_DD_HOST": "not-an-ip", "BIMETAL_DD_CHUNK_BYTES": "0",
+              "BIMETAL_DD_SLOTS": "0", "BIMETAL_DD_WINDOW": "-1", "BIMETAL_DD_INLINE_BYTES": "999999",
+              "BIMETAL_DD_FALLBACK": "maybe", "BIMETAL_DD_DEVICE": "gpu0", "BIMETAL_THREADS": "1.5",
+              "BIMETAL_HOST": " ", "BIMETAL_LAB": " ", "BIMETAL_LAB_NICS": ",", "BIMETAL_LAB_RANK_ENV": "[1]",
+              "BIMETAL_FAULT_KILL": "3:x", "BIMETAL_FAULT_STALL": "3:3", "BIMETAL_TRACEBACK": "true",
+              "BIMETAL_LAUNCH_REPORT": " "}
+
+
+def test_every_bimetal_variable_the_code_reads_is_checked_before_launch() -> None:
+    import re
+
+    from bimetal.env import VARIABLES, check_environment
+    from bimetal.errors import UserError
+
+    read = {name for path in (ROOT / "bimetal").rglob("*.py")
+            for name in re.findall(r"BIMETAL_[A-Z_]*[A-Z]\b", path.read_text())}
+    assert read <= set(VARIABLES), f"add {sorted(read - set(VARIABLES))} to bimetal.env.VARIABLES"
+    assert set(BAD_VALUES) == set(VARIABLES)
+    for name, bad in BAD_VALUES.items():
+        with pytest.raises(UserError, match=name):
+            check_environment({name: bad})
+    assert check_environment({"BIMETAL_CF_STRIPES": "2", "BIMETAL_DD_SLOTS": "8", "BIMETAL_FAULT_STALL": "3:3:300",
+                              "BIMETAL_CF_STRIPE": "2", "BIMETAL_DD_HOST": "10.0.0.1"}) == ["BIMETAL_CF_STRIPE"]

@@ -71,6 +71,9 @@ def main(argv: list[str]) -> int:
                          "cluster; FSDP shards stay inside each island, replicas cross vendors); the config then "
                          "sets parallel.allow_cross_vendor_dp")
     a = ap.parse_args(argv)
+    for flag, value in (("--seq", a.seq), ("--global-batch", a.global_batch), ("--top", a.top)):
+        if value < 1:
+            raise UserError(f"{flag} {value} must be a positive integer.")
     if a.model not in cost.MODELS:
         raise UserError(f"unknown model flavour {a.model!r}; pass --model one of {', '.join(cost.MODELS)}.")
     spec = load_spec(a.spec)

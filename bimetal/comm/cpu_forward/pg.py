@@ -23,6 +23,7 @@ receiver confirms. Collectives do not fail over: on a degraded stripe they fail 
 from __future__ import annotations
 
 import threading
+import time
 import warnings
 import zlib
 from collections import deque
@@ -77,6 +78,7 @@ class CpuForwardProcessGroup(BimetalProcessGroup):
         self._streams = CopyStreams()
         self._workers: dict[Any, Worker] = {}
         self._workers_lock = threading.Lock()
+        self._timeout_s = timeout.total_seconds()
         self._queued: dict[Any, int] = {}  # jobs submitted per worker key whose Gloo ops are not posted yet
         self._stripe_turn: dict[tuple[str, int], int] = {}
         self._fault: str | None = None
@@ -94,6 +96,8 @@ class CpuForwardProcessGroup(BimetalProcessGroup):
         out["pool_buffers_allocated"] = self.pool.allocations
         out["stripes_dead"] = len(self.links.dead)
         out.update(self.stats.snapshot())
+        if len(self.stats.stripe_bytes) == 1:  # every point-to-point byte rode stripe 0
+            out["bytes_stripe0"] = out["bytes_sent"] + out["bytes_received"]
         return out
 
     # --- plumbing ------------------------------------------------------------------------------------
@@ -170,13 +174,12 @@ class CpuForwardProcessGroup(BimetalProcessGroup):
         (tensor,) = tensors
         op = self._begin("send", dst)
         check_dtype(op, tensor)
-        turn = self._turn("send", dst)
-        first = turn % len(self.stripes)
         if len(self.stripes) > 1:
+            turn = self._turn("send", dst)
             return self._submit(("send", dst), op, lambda d: self._send_failover(tensor, dst, tag, turn, d))
         if is_device(tensor):
-            return self._submit(("send", dst), op, lambda d: self._send_staged(tensor, dst, tag, first, d))
-        flat = tensor.detach().reshape(-1) if tensor.is_contiguous() else tensor.detach().contiguous().view(-1)
+            return self._submit(("send", dst), op, lambda d: self._send_staged(tensor, dst, tag, 0, d))
+        flat = tensor if tensor.is_contiguous() else tensor.contiguous()  # (Gloo reads the bytes; any shape)
         if self._direct(("send", dst)):  # the fast path: posted here, waited for by the caller (work.py)
             return self._post_direct(op, lambda: self._post_send_host(flat, dst, tag))
         return self._submit(("send", dst), op, lambda d: self._wait_all(d, *self._post_send_host(flat, dst, tag)))
@@ -185,12 +188,11 @@ class CpuForwardProcessGroup(BimetalProcessGroup):
         (tensor,) = tensors
         op = self._begin("recv", src)
         check_dtype(op, tensor)
-        turn = self._turn("recv", src)
-        first = turn % len(self.stripes)
         if len(self.stripes) > 1:
+            turn = self._turn("recv", src)
             return self._submit(("recv", src), op, lambda d: self._recv_failover(tensor, src, tag, turn, d))
         if is_device(tensor):
-            return self._submit(("recv", src), op, lambda d: self._recv_staged(tensor, src, tag, first, d))
+            return self._submit(("recv", src), op, lambda d: self._recv_staged(tensor, src, tag, 0, d))
         if self._direct(("recv", src)):
             return self._post_direct(op, lambda: self._post_recv_host(tensor, src, tag, op))
         return self._submit(("recv", src), op, lambda d: self._wait_all(d, *self._post_recv_host(tensor, src, tag, op)))
@@ -297,22 +299,34 @@ class CpuForwardProcessGroup(BimetalProcessGroup):
 
     def _payload(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The bytes a host send puts on the wire, with their CRC when checksums are on (and the test fault)."""
-        data = flat.view(torch.uint8) if flat.dtype == torch.bool else flat
+        data = flat.view(torch.uint8) if flat.dtype is torch.bool else flat
         crc = self._crc(data) if self.checksum else None
         if self._fault == "corrupt" and data.numel():
             data = data.clone()
-            data.view(torch.uint8)[0] ^= 0xFF
+            data.reshape(-1).view(torch.uint8)[0] ^= 0xFF
             self._fault = None
         return data, crc
 
     # --- K = 1 -----------------------------------------------------------------------------------------
     def _post_direct(self, op: OpRecord, post: Callable[[], tuple[list[Any], Callable[[], None]]]) -> dist.Work:
-        d = Deadline(op, self.timeout, self.diagnose)
+        end = time.monotonic() + self._timeout_s
+
+        def deadline() -> Deadline:
+            return Deadline(op, self.timeout, self.diagnose)
+
         try:
             works, finish = post()
         except RuntimeError as exc:  # Gloo refuses to post (a closed pair): the caller's wait() reports it
-            return DirectWork([], d, error=TransportError(f"{op.describe()} failed: {str(exc).splitlines()[0]}"))
-        return DirectWork(works, d, finish)
+            return DirectWork([], op, end, deadline,
+                              error=TransportError(f"{op.describe()} failed: {str(exc).splitlines()[0]}"))
+        return DirectWork(works, op, end, deadline, finish)
+
+    def _host_chunks(self, data: torch.Tensor) -> list[torch.Tensor]:
+        """``data`` whole when it fits one chunk (no reshape, no slice: each costs microseconds), else its chunks."""
+        if data.numel() * data.element_size() <= self.options.chunk_bytes:
+            return [data]
+        flat = data.reshape(-1)
+        return [flat[a:b] for a, b, _ in self._plan(flat.numel(), flat.element_size(), 0)]
 
     @staticmethod
     def _wait_all(d: Deadline, works: list[Any], finish: Callable[[], None]) -> None:
@@ -323,26 +337,24 @@ class CpuForwardProcessGroup(BimetalProcessGroup):
     def _post_send_host(self, flat: torch.Tensor, dst: int, tag: int) -> tuple[list[Any], Callable[[], None]]:
         """K = 1, a CPU tensor: post its chunks (and CRC) to Gloo; ``finish`` counts it once they completed."""
         data, crc = self._payload(flat)
-        plan = self._plan(data.numel(), data.element_size(), 0)
         stripe = self.stripes[0]
-        works = [stripe.send([data[a:b]], dst, tag) for a, b, _ in plan]
+        works = [stripe.send([part], dst, tag) for part in self._host_chunks(data)]
         if crc is not None:
             works.append(stripe.send([crc], dst, tag))
         nbytes = data.numel() * data.element_size()
 
-        def finish() -> None:
+        def finish() -> None:  # (with one stripe, bytes_stripe0 is derived in comm_stats: one lock less per op)
             self.counters.add(bytes_sent=nbytes, bytes_direct=nbytes)
-            self.stats.add(0, nbytes)
 
         return works, finish
 
     def _post_recv_host(self, tensor: torch.Tensor, src: int, tag: int, op: OpRecord
                         ) -> tuple[list[Any], Callable[[], None]]:
         direct = tensor.is_contiguous()
-        target = tensor.view(-1) if direct else torch.empty(tensor.numel(), dtype=tensor.dtype)
-        data = target.view(torch.uint8) if target.dtype == torch.bool else target
+        target = tensor if direct else torch.empty(tensor.shape, dtype=tensor.dtype)
+        data = target.view(torch.uint8) if target.dtype is torch.bool else target
         stripe = self.stripes[0]
-        works = [stripe.recv([data[a:b]], src, tag) for a, b, _ in self._plan(data.numel(), data.element_size(), 0)]
+        works = [stripe.recv([part], src, tag) for part in self._host_chunks(data)]
         crc = torch.zeros(1, dtype=torch.int64) if self.checksum else None
         if crc is not None:
             works.append(stripe.recv([crc], src, tag))
@@ -352,16 +364,15 @@ class CpuForwardProcessGroup(BimetalProcessGroup):
                 raise TransportError(f"{op.describe()}: checksum mismatch, the data was corrupted in transit "
                                      "(not used)")
             if not direct:
-                tensor.copy_(target.view(tensor.shape))
+                tensor.copy_(target)
             nbytes = data.numel() * data.element_size()
             self.counters.add(bytes_received=nbytes, bytes_direct=nbytes)
-            self.stats.add(0, nbytes)
 
         return works, finish
 
     @staticmethod
     def _crc(data: torch.Tensor) -> torch.Tensor:
-        raw = data.contiguous().view(torch.uint8).numpy()
+        raw = data.contiguous().reshape(-1).view(torch.uint8).numpy()
         return torch.tensor([zlib.crc32(raw)], dtype=torch.int64)  # type: ignore[arg-type]
 
     def _send_staged(self, tensor: torch.Tensor, dst: int, tag: int, first: int, d: Deadline) -> None:
@@ -398,7 +409,6 @@ class CpuForwardProcessGroup(BimetalProcessGroup):
             self.pool.give(buf)
         nbytes = flat.numel() * flat.element_size()
         self.counters.add(bytes_sent=nbytes, bytes_staged=nbytes)
-        self.stats.add(0, nbytes)
 
     def _recv_staged(self, tensor: torch.Tensor, src: int, tag: int, first: int, d: Deadline) -> None:
         out = tensor.view(-1) if tensor.is_contiguous() else torch.empty_like(tensor).view(-1)
@@ -429,7 +439,6 @@ class CpuForwardProcessGroup(BimetalProcessGroup):
             tensor.copy_(out.view(tensor.shape))
         nbytes = out.numel() * out.element_size()
         self.counters.add(bytes_received=nbytes, bytes_staged=nbytes)
-        self.stats.add(0, nbytes)
 
     # --- collectives ---------------------------------------------------------------------------------
     def _collective(self, name: str, ins: list[torch.Tensor], outs: list[torch.Tensor],

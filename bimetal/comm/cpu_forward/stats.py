@@ -18,10 +18,6 @@ class StripeStats:
         self.failovers = 0
         """Point-to-point transfers that lost a stripe mid-message and re-sent its chunks on the others."""
 
-    def add(self, stripe: int, nbytes: int) -> None:
-        with self._lock:
-            self.stripe_bytes[stripe] += nbytes
-
     def transfer(self, moved: dict[int, int], rounds: int) -> None:
         with self._lock:
             for s, n in moved.items():

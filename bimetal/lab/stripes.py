@@ -65,9 +65,10 @@ def _rank_main(counts: list[int], sizes: list[int], repeats: int) -> None:
                     ok = bool(t[-1].item() == t.numel() - 1 and t[t.numel() // 2].item() == t.numel() // 2)
                     rows.append({"bytes": nbytes, "stripes": k, "repeat": rep, "seconds": seconds,
                                  "mbit_s": nbytes * 8 / seconds / 1e6, "ok": ok})
-    if rank == 1:
-        stats = {k: groups[k].comm_stats() for k in counts}  # type: ignore[attr-defined]
-        print("STRIPES " + json.dumps({"rows": rows, "stats": stats}), flush=True)
+    if rank == 0:  # the sender's counters: bytes each stripe carried
+        print("STRIPESTATS " + json.dumps({k: groups[k].comm_stats() for k in counts}), flush=True)  # type: ignore
+    else:
+        print("STRIPES " + json.dumps(rows), flush=True)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -142,11 +143,12 @@ def main(argv: list[str]) -> int:
                            "--repeats", str(args.repeats)], timeout=600, capture=True)
     text = "".join(r.output for r in results)
     lines = [ln for ln in text.splitlines() if ln.startswith("STRIPES ")]
-    if any(r.returncode for r in results) or not lines:
+    stat_lines = [ln for ln in text.splitlines() if ln.startswith("STRIPESTATS ")]
+    if any(r.returncode for r in results) or not lines or not stat_lines:
         print(text[-4000:], file=sys.stderr)
         raise UserError(f"the striping job failed (exit codes {[r.returncode for r in results]}); output above")
-    got = json.loads(lines[-1][len("STRIPES "):])
-    rows, stats = got["rows"], got["stats"]
+    rows = json.loads(lines[-1][len("STRIPES "):])
+    stats = json.loads(stat_lines[-1][len("STRIPESTATS "):])
     report = {"per_size": summarise(rows, rates), "rates_mbit": rates, "rows": rows, "comm_stats": stats,
               "spec": spec.source, "repeats": args.repeats, "wall_s": time.monotonic() - started}
     print(f"cpu-forward p2p on {spec.source}: NICs of {', '.join(f'{r:g}' for r in rates[:max(counts)])} Mbit/s, "
@@ -162,8 +164,9 @@ def main(argv: list[str]) -> int:
     for k, st in stats.items():
         per = [st.get(f"bytes_stripe{s}", 0) for s in range(int(k))]
         total = sum(per) or 1
-        print(f"stripes {k}: bytes per stripe (receiver, all sizes) " + ", ".join(f"{b / total:.3f}" for b in per)
-              + f"; failovers {st['failovers']}, pool buffers allocated {st['pool_buffers_allocated']}")
+        shares = ", ".join(f"{b / total:.3f}" for b in per)
+        print(f"stripes {k}: share of the bytes per stripe (sender, all sizes and repeats) {shares}; "
+              f"failovers {st['failovers']}, pool buffers allocated {st['pool_buffers_allocated']}")
     if not all(r["ok"] for r in rows):
         raise UserError("received data did not match what was sent")
     if args.out:

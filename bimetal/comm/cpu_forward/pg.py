@@ -96,8 +96,8 @@ class CpuForwardProcessGroup(BimetalProcessGroup):
         out["pool_buffers_allocated"] = self.pool.allocations
         out["stripes_dead"] = len(self.links.dead)
         out.update(self.stats.snapshot())
-        if len(self.stats.stripe_bytes) == 1:  # every point-to-point byte rode stripe 0
-            out["bytes_stripe0"] = out["bytes_sent"] + out["bytes_received"]
+        if len(self.stats.stripe_bytes) == 1:  # every point-to-point byte sent rode stripe 0
+            out["bytes_stripe0"] = out["bytes_sent"]
         return out
 
     # --- plumbing ------------------------------------------------------------------------------------
@@ -227,10 +227,12 @@ class CpuForwardProcessGroup(BimetalProcessGroup):
         return t, [(a, b) for a, b, _ in plan]
 
     def _settled(self, key: tuple[str, int], t: Transfer) -> None:
-        """After a transfer of ``key`` completed: keep the shares it agreed on, count its stripes' bytes."""
+        """After a transfer of ``key`` completed: keep the shares it agreed on; a send counts its stripes' bytes
+        and whether it failed over (the sender's side only, so that sums over ranks count each byte once)."""
         if t.next_weights is not None:
             self._weights[key] = t.next_weights
-        self.stats.transfer(t.moved, t.rounds)
+        if key[0] == "send":
+            self.stats.transfer(t.moved, t.rounds)
 
     def _send_failover(self, tensor: torch.Tensor, dst: int, tag: int, turn: int, d: Deadline) -> None:
         flat = tensor.detach().reshape(-1) if tensor.is_contiguous() else tensor.detach().contiguous().view(-1)

@@ -10,13 +10,14 @@ import threading
 
 
 class StripeStats:
-    """Bytes each stripe carried (both directions, point-to-point) and the transfers that re-sent chunks."""
+    """Bytes each stripe carried out of this rank (point-to-point sends, re-sends included) and the sends that
+    re-sent chunks after losing a stripe."""
 
     def __init__(self, stripes: int):
         self._lock = threading.Lock()
         self.stripe_bytes = [0] * stripes
         self.failovers = 0
-        """Point-to-point transfers that lost a stripe mid-message and re-sent its chunks on the others."""
+        """Point-to-point sends that lost a stripe mid-message and re-sent its chunks on the others."""
 
     def transfer(self, moved: dict[int, int], rounds: int) -> None:
         with self._lock:

@@ -89,3 +89,26 @@ def test_options_from_env_and_their_errors(monkeypatch) -> None:
         CpuForwardOptions().resolved()
     with pytest.raises(UserError, match="pool_buffers=1"):
         CpuForwardOptions(stripes=1, pool_buffers=1).resolved()
+
+
+def test_stripe_shares_follow_measured_rates_and_drop_dead_stripes() -> None:
+    """Shares converge to equal finish times on links of unequal speed (with a common start-up delay in the
+    measurement), keep a floor, and give a dead stripe nothing."""
+    from bimetal.comm.cpu_forward.balance import WEIGHT_SCALE, rebalance
+
+    rates = [400.0, 100.0, 400.0]  # bytes per second, arbitrary unit
+    nbytes, delay = 64 * 2**20, 0.05
+    weights = None
+    for _ in range(8):
+        plan = chunk_plan(nbytes, 1, 4 * 2**20, 3, weights=weights)
+        moved = {s: sum(b - a for a, b, st in plan if st == s) for s in range(3)}
+        seconds = {s: delay + moved[s] / (rates[s] * 2**20) for s in range(3)}
+        weights = rebalance(weights, 3, 0, moved, seconds)
+    assert weights is not None and abs(sum(weights) - WEIGHT_SCALE) <= 3
+    finish = [w / rates[s] for s, w in enumerate(weights)]
+    assert max(finish) / min(finish) < 1.1, weights  # the slow stripe carries about a ninth, all finish together
+    assert rebalance(weights, 3, 0b010, {}, {}) is not None
+    assert rebalance(weights, 3, 0b010, {}, {})[1] == 0  # type: ignore[index]
+    floor = rebalance([WEIGHT_SCALE, 1, 1], 3, 0, {}, {})
+    assert floor is not None and min(floor) >= WEIGHT_SCALE // 30  # about an eighth of an equal share
+    assert rebalance(None, 2, 0, {0: 2**20, 1: 2**20}, {0: 1.0, 1: 1.0}) is None  # equal: the plain split

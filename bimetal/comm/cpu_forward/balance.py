@@ -5,7 +5,7 @@ The receiver of a striped transfer measures, per stripe, the bytes that arrived 
 of them did; ``rebalance`` turns that into the shares of the next transfer in the same direction with the
 same peer, and the receiver's final status carries them (``failover.Status``), so both ends plan the next
 message from the same numbers. Shares move halfway toward the measured rates each time (noise on one
-transfer does not swing the split), never drop below an eighth of an equal share (a stripe that was slow
+transfer does not swing the split), never drop below about an eighth of an equal share (a stripe that was slow
 keeps being measured and wins its share back when it recovers) and are zero for dead stripes.
 """
 

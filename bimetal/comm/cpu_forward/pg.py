@@ -124,14 +124,16 @@ class CpuForwardProcessGroup(BimetalProcessGroup):
 
         def job() -> None:
             try:
-                self._queued_done(key)
-                earlier = self._deferred.pop(key, None)
-                if earlier is not None:
-                    raise TransportError(f"{op.describe()} not started: an earlier transfer with this peer failed "
-                                         f"after completing: {earlier}")
-                d = Deadline(op, self.timeout, self.diagnose)
-                d.release = release
-                value = body(d)
+                try:
+                    earlier = self._deferred.pop(key, None)
+                    if earlier is not None:
+                        raise TransportError(f"{op.describe()} not started: an earlier transfer with this peer "
+                                             f"failed after completing: {earlier}")
+                    d = Deadline(op, self.timeout, self.diagnose)
+                    d.release = release
+                    value = body(d)
+                finally:  # every Gloo op of this job is posted (and waited for): the fast path may post again
+                    self._queued_done(key)
                 if not fut.done():
                     fut.set_result(value)
             except TransportError as exc:

@@ -89,6 +89,12 @@ def test_options_from_env_and_their_errors(monkeypatch) -> None:
         CpuForwardOptions().resolved()
     with pytest.raises(UserError, match="pool_buffers=1"):
         CpuForwardOptions(stripes=1, pool_buffers=1).resolved()
+    monkeypatch.delenv("BIMETAL_CF_STRIPES")
+    monkeypatch.setenv("BIMETAL_CF_CHUNK_BYTES", "1M")  # the size syntax of bimetal bench comm
+    assert CpuForwardOptions().resolved().chunk_bytes == 2**20
+    monkeypatch.setenv("BIMETAL_CF_CHUNK_BYTES", "lots")
+    with pytest.raises(UserError, match="BIMETAL_CF_CHUNK_BYTES='lots' is not a size"):
+        CpuForwardOptions().resolved()
 
 
 def test_stripe_shares_follow_measured_rates_and_drop_dead_stripes() -> None:

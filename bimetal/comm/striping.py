@@ -40,7 +40,7 @@ class CpuForwardOptions:
     chunk_bytes: int = 0
     """Chunk size of pipelined transfers (``BIMETAL_CF_CHUNK_BYTES``); 0: 4 MiB."""
     pool_buffers: int = 0
-    """Pinned staging buffers per chunk size (``BIMETAL_CF_POOL_BUFFERS``); 0: 8."""
+    """Pinned staging buffers per dtype (``BIMETAL_CF_POOL_BUFFERS``); 0: 8."""
     local_rank: int | None = None
     """Used to pick this rank's NIC; None: ``$LOCAL_RANK``."""
     stall_timeout_s: float = 0.0
@@ -52,7 +52,7 @@ class CpuForwardOptions:
         env = os.environ
         ifaces = list(self.interfaces) or [s for s in env.get(ENV_IFACES, "").split(",") if s.strip()]
         stripes = self.stripes or _int_env(ENV_STRIPES, 0) or len(ifaces) or 1
-        chunk = self.chunk_bytes or _int_env(ENV_CHUNK, DEFAULT_CHUNK_BYTES)
+        chunk = self.chunk_bytes or _size_env(ENV_CHUNK, DEFAULT_CHUNK_BYTES)
         pool = self.pool_buffers or _int_env(ENV_POOL, 8)
         stall = self.stall_timeout_s or _float_env(ENV_STALL, 0.0)
         if not 1 <= stripes <= 62 or chunk < 1024 or pool < 2 or stall < 0:
@@ -76,6 +76,19 @@ def _int_env(name: str, default: int) -> int:
         return int(raw)
     except ValueError:
         raise UserError(f"{name}={raw!r} is not an integer; set it to a whole number") from None
+
+
+def _size_env(name: str, default: int) -> int:
+    """Bytes from ``name``, with the size syntax of ``bimetal bench comm`` (``65536``, ``64K``, ``4M``)."""
+    raw = os.environ.get(name, "")
+    if not raw:
+        return default
+    from bimetal.comm.bench import parse_size
+
+    try:
+        return parse_size(raw)
+    except UserError:
+        raise UserError(f"{name}={raw!r} is not a size; write bytes like 65536, 64K or 4M") from None
 
 
 def _float_env(name: str, default: float) -> float:

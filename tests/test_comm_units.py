@@ -14,12 +14,44 @@ from bimetal.comm.striping import CpuForwardOptions, chunk_plan
 from bimetal.errors import UserError
 
 
-def test_chunk_plan_covers_the_message_and_rotates_stripes() -> None:
-    plan = chunk_plan(numel=10_000, element_size=4, chunk_bytes=4096, stripes=3, first=1)
-    assert plan[0] == (0, 1024, 1) and plan[1] == (1024, 2048, 2) and plan[2] == (2048, 3072, 0)
-    assert plan[-1][1] == 10_000 and all(a < b for a, b, _ in plan)
-    assert [b for _, b, _ in plan[:-1]] == [a for a, _, _ in plan[1:]]  # contiguous, no gaps
+def _check_cover(plan: list[tuple[int, int, int]], numel: int) -> None:
+    spans = sorted((a, b) for a, b, _ in plan)
+    assert spans[0][0] == 0 and spans[-1][1] == numel and all(a <= b for a, b in spans)
+    assert all(prev[1] == nxt[0] for prev, nxt in zip(spans, spans[1:])), "gaps or overlaps"
+
+
+def test_chunk_plan_one_stripe_and_small_messages() -> None:
+    plan = chunk_plan(numel=10_000, element_size=4, chunk_bytes=4096, stripes=1)
+    assert plan[0] == (0, 1024, 0) and plan[-1] == (9216, 10_000, 0) and len(plan) == 10
     assert chunk_plan(0, 4, 4096, 2, first=1) == [(0, 0, 1)]
+    assert chunk_plan(1000, 4, 4096, 3, first=4) == [(0, 1000, 1)]  # up to 64 KiB: one chunk, rotating stripe
+    assert chunk_plan(1000, 4, 4096, 3, first=1, weights=[5, 0, 5]) == [(0, 1000, 2)]  # a dead stripe is skipped
+    with pytest.raises(ValueError, match="weights"):
+        chunk_plan(10**6, 4, 4096, 3, weights=[1, 1])
+
+
+@pytest.mark.parametrize("k", range(1, 9))
+def test_chunk_plan_balances_bytes_over_stripes(k: int) -> None:
+    """Issue 19: for K = 1..8 and 1 byte .. 256 MiB the busiest stripe carries at most one chunk, or 1/K of
+    the bytes (rounded), more than the least busy; chunks never exceed the chunk size."""
+    chunk = 4 * 2**20
+    sizes = [1, 3, 4096, 65_536, 65_537, 2**20 + 7, 4 * 2**20, 16 * 2**20 + 3, 64 * 2**20, 100_000_007, 256 * 2**20]
+    for nbytes in sizes:
+        plan = chunk_plan(nbytes, 1, chunk, k, first=nbytes % 7)
+        _check_cover(plan, nbytes)
+        assert all(b - a <= chunk for a, b, _ in plan)
+        load = [sum(b - a for a, b, s in plan if s == st) for st in range(k)]
+        biggest = max(b - a for a, b, _ in plan)
+        assert max(load) - min(load) <= max(biggest, -(-nbytes // k)), (nbytes, load)
+        if nbytes > 2**20:  # large messages: every stripe within one element of an equal share
+            assert max(load) - min(load) <= 1, (nbytes, load)
+            ends = {s: i for i, (_, _, s) in enumerate(plan)}  # posting order interleaves the stripes
+            assert max(ends.values()) - min(ends.values()) < k, (nbytes, ends)
+    # weighted (a slower stripe): shares follow the weights, to within one element
+    plan = chunk_plan(64 * 2**20, 4, chunk, 2, weights=[3, 1]) if k == 2 else []
+    if plan:
+        load = [sum(b - a for a, b, s in plan if s == st) for st in range(2)]
+        assert abs(load[0] - 3 * load[1]) <= 3
 
 
 def test_pool_reuses_buffers_and_bounds_them() -> None:
@@ -57,3 +89,32 @@ def test_options_from_env_and_their_errors(monkeypatch) -> None:
         CpuForwardOptions().resolved()
     with pytest.raises(UserError, match="pool_buffers=1"):
         CpuForwardOptions(stripes=1, pool_buffers=1).resolved()
+    monkeypatch.delenv("BIMETAL_CF_STRIPES")
+    monkeypatch.setenv("BIMETAL_CF_CHUNK_BYTES", "1M")  # the size syntax of bimetal bench comm
+    assert CpuForwardOptions().resolved().chunk_bytes == 2**20
+    monkeypatch.setenv("BIMETAL_CF_CHUNK_BYTES", "lots")
+    with pytest.raises(UserError, match="BIMETAL_CF_CHUNK_BYTES='lots' is not a size"):
+        CpuForwardOptions().resolved()
+
+
+def test_stripe_shares_follow_measured_rates_and_drop_dead_stripes() -> None:
+    """Shares converge to equal finish times on links of unequal speed (with a common start-up delay in the
+    measurement), keep a floor, and give a dead stripe nothing."""
+    from bimetal.comm.cpu_forward.balance import WEIGHT_SCALE, rebalance
+
+    rates = [400.0, 100.0, 400.0]  # bytes per second, arbitrary unit
+    nbytes, delay = 64 * 2**20, 0.05
+    weights = None
+    for _ in range(8):
+        plan = chunk_plan(nbytes, 1, 4 * 2**20, 3, weights=weights)
+        moved = {s: sum(b - a for a, b, st in plan if st == s) for s in range(3)}
+        seconds = {s: delay + moved[s] / (rates[s] * 2**20) for s in range(3)}
+        weights = rebalance(weights, 3, 0, moved, seconds)
+    assert weights is not None and abs(sum(weights) - WEIGHT_SCALE) <= 3
+    finish = [w / rates[s] for s, w in enumerate(weights)]
+    assert max(finish) / min(finish) < 1.1, weights  # the slow stripe carries about a ninth, all finish together
+    assert rebalance(weights, 3, 0b010, {}, {}) is not None
+    assert rebalance(weights, 3, 0b010, {}, {})[1] == 0  # type: ignore[index]
+    floor = rebalance([WEIGHT_SCALE, 1, 1], 3, 0, {}, {})
+    assert floor is not None and min(floor) >= WEIGHT_SCALE // 30  # about an eighth of an equal share
+    assert rebalance(None, 2, 0, {0: 2**20, 1: 2**20}, {0: 1.0, 1: 1.0}) is None  # equal: the plain split

@@ -3,12 +3,14 @@ stripes and (with ``--transports``) device-direct and the bare device-direct eng
 side by side in one run.
 
 Two ranks: rank 0 sends, rank 1 receives and answers with a 1-element acknowledgement, so a sample is
-one full delivery. Variants are interleaved inside every iteration (noise hits all of them alike), the
-median is reported, and the ratios the performance targets name are printed: cpu-forward on one stripe
-against raw Gloo on the same link at 64 MiB, K stripes against one, and device-direct against cpu-forward on
-one stripe (bandwidth at 64 MiB, latency at 4 KiB; device-direct listens on the first ``--ifaces`` link too, so
-all variants share one link). Outside a launched job it starts
-two simulated ranks on this machine; under torchrun (the lab, real nodes) it uses the job's ranks.
+one full delivery. Variants are interleaved inside every iteration, in an order that rotates (noise hits
+all of them alike), the median is reported, and the ratios the performance targets name are printed, each
+as the median of the per-iteration (paired) ratios with their interquartile range: cpu-forward on one
+stripe against raw Gloo on the same link (bandwidth from 64 KiB up, latency below), K stripes against K
+times one, and device-direct against cpu-forward on one stripe (bandwidth at 64 MiB, latency at 4 KiB;
+device-direct listens on the first ``--ifaces`` link too, so all variants share one link). Sizes take
+K/M/G suffixes everywhere (``--sizes 4K,1M``, ``--chunk-bytes 1M``). Outside a launched job it starts two
+simulated ranks on this machine; under torchrun (the lab, real nodes) it uses the job's ranks.
 Writes ``bench_comm.json`` and ``bench_comm.png`` (matplotlib, if installed) to ``--out``.
 """
 
@@ -52,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ifaces", default="lo", help="interfaces, one per stripe, reused round robin (default lo)")
     p.add_argument("--transports", default="gloo,cpu-forward",
                    help="gloo, cpu-forward, device-direct, dd-engine (the engine alone: the ceiling of device-direct)")
-    p.add_argument("--chunk-bytes", type=int, default=0, help="cpu-forward chunk size (default 4 MiB)")
+    p.add_argument("--chunk-bytes", default="", help="cpu-forward chunk size, e.g. 1M (default 4M)")
     p.add_argument("--out", default="runs/bench_comm", help="folder for bench_comm.json / .png")
     p.add_argument("--simulate", default="nvidia:1,amd:1", help="ranks started here when not under torchrun")
     return p
@@ -61,7 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
-    stripes = [int(s) for s in args.stripes.split(",") if s.strip()]
+    args.chunk_bytes = parse_size(args.chunk_bytes) if args.chunk_bytes.strip() else 0
+    try:
+        stripes = [int(s) for s in args.stripes.split(",") if s.strip()]
+    except ValueError:
+        raise UserError(f"--stripes {args.stripes!r}: write stripe counts like 1,2,4") from None
     transports = [t.strip() for t in args.transports.split(",") if t.strip()]
     unknown = set(transports) - {"gloo", "cpu-forward", "device-direct", "dd-engine"}
     if unknown or not sizes or not stripes or min(stripes) < 1 or args.iters < 1:
@@ -154,9 +160,11 @@ def _run(args: argparse.Namespace, sizes: list[int], stripes: list[int], transpo
         for g in groups.values():  # warm-up: connections, pools
             _deliver(g, buf, ack, rank)
         # small messages are cheap and their medians (latency) are noisy: at least _SMALL_ITERS samples each
-        for _ in range(args.iters if size > _SMALL else max(args.iters, _SMALL_ITERS)):
-            for name, g in groups.items():
-                samples[name][size].append(_deliver(g, buf, ack, rank))
+        names = list(groups)
+        for i in range(args.iters if size > _SMALL else max(args.iters, _SMALL_ITERS)):
+            for j in range(len(names)):  # the order rotates: no variant always follows the same one
+                name = names[(i + j) % len(names)]
+                samples[name][size].append(_deliver(groups[name], buf, ack, rank))
     dist.barrier()
     for g in groups.values():
         if hasattr(g, "close"):  # the bare engine; process groups go with destroy_process_group
@@ -172,6 +180,15 @@ def _run(args: argparse.Namespace, sizes: list[int], stripes: list[int], transpo
     return 0
 
 
+def paired(num: list[float], den: list[float]) -> tuple[float, float, float]:
+    """Median and interquartile range of the per-iteration ratios num[i] / den[i] (samples taken side by side)."""
+    ratios = sorted(n / d for n, d in zip(num, den) if d > 0)
+    if len(ratios) < 2:
+        return (ratios[0], ratios[0], ratios[0]) if ratios else (float("nan"),) * 3
+    q1, med, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
+    return med, q1, q3
+
+
 def _report(samples: dict[str, dict[int, list[float]]], sizes: list[int]) -> dict:
     rows: list[dict[str, Any]] = []
     for name, by_size in samples.items():
@@ -180,17 +197,24 @@ def _report(samples: dict[str, dict[int, list[float]]], sizes: list[int]) -> dic
             rows.append({"variant": name, "bytes": size, "median_s": t, "samples_s": by_size[size],
                          "gbit_per_s": size * 8 / t / 1e9})
     table = {(r["variant"], r["bytes"]): r for r in rows}
-    ratios = {}
+    ratios: dict[str, tuple[float, float, float]] = {}
     ref = 64 * 2**20 if 64 * 2**20 in sizes else max(sizes)
-    if ("gloo", ref) in table and ("cpu-forward x1", ref) in table:
-        ratios[f"cpu-forward x1 / gloo @ {ref >> 20} MiB"] = (
-            table[("cpu-forward x1", ref)]["gbit_per_s"] / table[("gloo", ref)]["gbit_per_s"])
+    small = 4 << 10 if 4 << 10 in sizes else min(sizes)
+    one = "cpu-forward x1"
+    if "gloo" in samples and one in samples:
+        for size in sizes:  # bandwidth ratio = gloo's time / cpu-forward's, per iteration
+            if size < 64 << 10:
+                ratios[f"{one} / gloo latency @ {_fmt(size)}"] = paired(samples[one][size], samples["gloo"][size])
+            else:
+                ratios[f"{one} / gloo bandwidth @ {_fmt(size)}"] = paired(samples["gloo"][size], samples[one][size])
     for name in samples:
-        if name.startswith("cpu-forward x") and name != "cpu-forward x1" and ("cpu-forward x1", ref) in table:
+        if name.startswith("cpu-forward x") and name != one and one in samples:
             k = int(name.rsplit("x", 1)[1])
-            ratios[f"{name} / (x1 * {k}) @ {ref >> 20} MiB"] = (
-                table[(name, ref)]["gbit_per_s"] / (k * table[("cpu-forward x1", ref)]["gbit_per_s"]))
-    ratios.update(_device_direct_ratios(table, sizes, ref))
+            for size in sizes:
+                if size >= 16 * 2**20 or size == ref:
+                    ratios[f"{name} / ({k} * x1) bandwidth @ {_fmt(size)}"] = paired(
+                        [t / k for t in samples[one][size]], samples[name][size])
+    ratios.update(_device_direct_ratios(samples, sizes, ref, small))
     header = f"{'size':>8}  " + "  ".join(f"{n:>18}" for n in samples)
     lines = [header, "-" * len(header)]
     for size in sizes:
@@ -198,28 +222,24 @@ def _report(samples: dict[str, dict[int, list[float]]], sizes: list[int]) -> dic
                  for n in samples]
         lines.append(f"{_fmt(size):>8}  " + "  ".join(f"{c:>18}" for c in cells))
     print("\n".join(lines), flush=True)
-    for label, value in ratios.items():
-        print(f"ratio {label}: {value:.3f}", flush=True)
-    return {"rows": rows, "ratios": ratios}
+    for label, (med, q1, q3) in ratios.items():
+        print(f"ratio {label}: {med:.3f} (paired, interquartile {q1:.3f}-{q3:.3f})", flush=True)
+    return {"rows": rows, "ratios": {k: {"median": m, "q1": a, "q3": b} for k, (m, a, b) in ratios.items()}}
 
 
-def _device_direct_ratios(table: dict[tuple[str, int], dict[str, Any]], sizes: list[int], ref: int
-                          ) -> dict[str, float]:
+def _device_direct_ratios(samples: dict[str, dict[int, list[float]]], sizes: list[int], ref: int, small: int
+                          ) -> dict[str, tuple[float, float, float]]:
     """The issue-4 targets: device-direct over cpu-forward x1 in bandwidth at 64 MiB (>= 1 wanted) and in 4 KiB
     latency (< 1 wanted), and the same for the bare engine, which tells our control plane from the engine."""
-    small = 4 << 10 if 4 << 10 in sizes else min(sizes)
     ratios = {}
     for name in ("device-direct", "dd-engine"):
         for base in ("cpu-forward x1", "gloo"):
-            if (name, ref) in table and (base, ref) in table:
-                ratios[f"{name} / {base} bandwidth @ {_fmt(ref)}"] = (
-                    table[(name, ref)]["gbit_per_s"] / table[(base, ref)]["gbit_per_s"])
-            if (name, small) in table and (base, small) in table:
-                ratios[f"{name} / {base} latency @ {_fmt(small)}"] = (
-                    table[(name, small)]["median_s"] / table[(base, small)]["median_s"])
-    if ("device-direct", ref) in table and ("dd-engine", ref) in table:
-        ratios[f"device-direct / dd-engine bandwidth @ {_fmt(ref)}"] = (
-            table[("device-direct", ref)]["gbit_per_s"] / table[("dd-engine", ref)]["gbit_per_s"])
+            if name in samples and base in samples:
+                ratios[f"{name} / {base} bandwidth @ {_fmt(ref)}"] = paired(samples[base][ref], samples[name][ref])
+                ratios[f"{name} / {base} latency @ {_fmt(small)}"] = paired(samples[name][small], samples[base][small])
+    if "device-direct" in samples and "dd-engine" in samples:
+        ratios[f"device-direct / dd-engine bandwidth @ {_fmt(ref)}"] = paired(samples["dd-engine"][ref],
+                                                                              samples["device-direct"][ref])
     return ratios
 
 

@@ -18,7 +18,7 @@ import torch
 
 def is_device(tensor: torch.Tensor) -> bool:
     """True for tensors that need host staging (CUDA and ROCm tensors both report ``cuda``)."""
-    return tensor.device.type != "cpu"
+    return not tensor.is_cpu
 
 
 class PoolExhausted(RuntimeError):

@@ -40,7 +40,7 @@ class CpuForwardOptions:
     chunk_bytes: int = 0
     """Chunk size of pipelined transfers (``BIMETAL_CF_CHUNK_BYTES``); 0: 4 MiB."""
     pool_buffers: int = 0
-    """Pinned staging buffers per chunk size (``BIMETAL_CF_POOL_BUFFERS``); 0: 8."""
+    """Pinned staging buffers per dtype (``BIMETAL_CF_POOL_BUFFERS``); 0: 8."""
     local_rank: int | None = None
     """Used to pick this rank's NIC; None: ``$LOCAL_RANK``."""
     stall_timeout_s: float = 0.0
@@ -52,7 +52,7 @@ class CpuForwardOptions:
         env = os.environ
         ifaces = list(self.interfaces) or [s for s in env.get(ENV_IFACES, "").split(",") if s.strip()]
         stripes = self.stripes or _int_env(ENV_STRIPES, 0) or len(ifaces) or 1
-        chunk = self.chunk_bytes or _int_env(ENV_CHUNK, DEFAULT_CHUNK_BYTES)
+        chunk = self.chunk_bytes or _size_env(ENV_CHUNK, DEFAULT_CHUNK_BYTES)
         pool = self.pool_buffers or _int_env(ENV_POOL, 8)
         stall = self.stall_timeout_s or _float_env(ENV_STALL, 0.0)
         if not 1 <= stripes <= 62 or chunk < 1024 or pool < 2 or stall < 0:
@@ -76,6 +76,19 @@ def _int_env(name: str, default: int) -> int:
         return int(raw)
     except ValueError:
         raise UserError(f"{name}={raw!r} is not an integer; set it to a whole number") from None
+
+
+def _size_env(name: str, default: int) -> int:
+    """Bytes from ``name``, with the size syntax of ``bimetal bench comm`` (``65536``, ``64K``, ``4M``)."""
+    raw = os.environ.get(name, "")
+    if not raw:
+        return default
+    from bimetal.comm.bench import parse_size
+
+    try:
+        return parse_size(raw)
+    except UserError:
+        raise UserError(f"{name}={raw!r} is not a size; write bytes like 65536, 64K or 4M") from None
 
 
 def _float_env(name: str, default: float) -> float:
@@ -119,14 +132,42 @@ def build_stripes(store: dist.Store, rank: int, size: int, timeout: timedelta,
     return stripes
 
 
-def chunk_plan(numel: int, element_size: int, chunk_bytes: int, stripes: int, first: int = 0
-               ) -> list[tuple[int, int, int]]:
-    """``(start, stop, stripe)`` element ranges covering ``numel``; chunk j rides stripe (first + j) % K.
+SINGLE_BYTES = 64 * 2**10
+"""With K > 1 stripes, a message up to this size rides one stripe as one chunk (latency over bandwidth)."""
 
+
+def chunk_plan(numel: int, element_size: int, chunk_bytes: int, stripes: int, first: int = 0,
+               weights: list[int] | None = None) -> list[tuple[int, int, int]]:
+    """``(start, stop, stripe)`` element ranges covering ``numel``, in posting order.
+
+    One stripe: chunks of ``chunk_bytes`` in order. K stripes: a message up to ``SINGLE_BYTES`` is one chunk
+    on the ``first``-th stripe (counting only stripes of non-zero weight); a larger one is split by bytes:
+    stripe s takes one contiguous range of about ``weights[s] / sum(weights)`` of the message (equal shares
+    without weights), cut into equal chunks of at most ``chunk_bytes``, and the chunks are ordered one per
+    stripe in turn, so every stripe starts at once and, at the rates the weights describe, finishes at once.
     Sender and receiver compute the same plan from the same numbers, so chunks match without headers.
     """
     per_chunk = max(1, chunk_bytes // max(1, element_size))
-    if numel == 0:
-        return [(0, 0, first % stripes)]
-    return [(s, min(s + per_chunk, numel), (first + j) % stripes)
-            for j, s in enumerate(range(0, numel, per_chunk))]
+    w = list(weights) if weights and any(weights) else [1] * stripes
+    if len(w) != stripes or min(w) < 0:
+        raise ValueError(f"stripe weights {weights} do not fit {stripes} stripes")
+    live = [s for s in range(stripes) if w[s] > 0]
+    if numel == 0 or (stripes > 1 and (numel * element_size <= SINGLE_BYTES or numel == 1)):
+        return [(0, numel, live[first % len(live)])]
+    if stripes == 1:
+        return [(a, min(a + per_chunk, numel), 0) for a in range(0, numel, per_chunk)]
+    total, acc, bounds = sum(w), 0, [0]
+    for s in range(stripes):
+        acc += w[s]
+        bounds.append(numel * acc // total)
+    lanes: list[list[tuple[int, int, int]]] = []
+    for s in live:
+        a, b = bounds[s], bounds[s + 1]
+        n = -(-(b - a) // per_chunk)
+        lanes.append([(a + (b - a) * i // n, a + (b - a) * (i + 1) // n, s) for i in range(n)])
+    rot = first % len(lanes)
+    lanes = lanes[rot:] + lanes[:rot]
+    # merged by how far along its own range each chunk is: with a window of chunks in flight, every stripe
+    # keeps about its share of the window busy until the end
+    keyed = [((2 * i + 1) / (2 * len(lane)), k, lane[i]) for k, lane in enumerate(lanes) for i in range(len(lane))]
+    return [chunk for _, _, chunk in sorted(keyed)]

@@ -68,12 +68,16 @@ class StepMetrics:
                     self._tb = None
 
     def log(self, step: int, loss: float, tokens: int, seconds: float, lr: float, grad_norm: float,
-            comm_s: float, comm_bytes: int) -> dict[str, Any]:
-        """Record one step; ``tokens`` are the job's (all replicas), ``comm_*`` the cross-vendor ones."""
+            comm_s: float, comm_bytes: int, transport: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Record one step; ``tokens`` are the job's (all replicas), ``comm_*`` the cross-vendor ones;
+        ``transport``: the bimetal transports' counters of the step (``bimetal.comm.meter``), all ranks."""
         tps = tokens / seconds if seconds > 0 else 0.0
         mfu = (tps * self.flops_per_token / self.peak) if self.peak else None
-        rec = {"step": step, "loss": loss, "tokens_per_s": tps, "mfu": mfu, "lr": lr, "grad_norm": grad_norm,
-               "step_s": seconds, "xvendor_comm_s": comm_s, "xvendor_bytes": comm_bytes, "time": time.time()}
+        rec: dict[str, Any] = {
+            "step": step, "loss": loss, "tokens_per_s": tps, "mfu": mfu, "lr": lr, "grad_norm": grad_norm,
+            "step_s": seconds, "xvendor_comm_s": comm_s, "xvendor_bytes": comm_bytes, "time": time.time()}
+        if transport is not None:
+            rec["transport"] = transport
         self.records.append(rec)
         if self.rank == 0:
             with self.path.open("a") as f:
@@ -108,6 +112,14 @@ class StepMetrics:
                "xvendor_bytes": sum(r["xvendor_bytes"] for r in records),
                "xvendor_comm_s": sum(r["xvendor_comm_s"] for r in records), "xvendor_source": xvendor_source,
                "run_dir": str(self.path.parent)}
+        steps = [r["transport"] for r in self.records if "transport" in r]
+        if steps:  # summed over the steps (stripes_dead: at the end); after_first: pool growth past warm-up
+            out["transport"] = {k: sum(t[k] for t in steps) for k in ("bytes_staged", "pool_buffers_allocated",
+                                                                      "failovers")}
+            out["transport"]["pool_buffers_allocated_after_first_step"] = sum(
+                t["pool_buffers_allocated"] for t in steps[1:])
+            out["transport"]["stripes_dead"] = steps[-1]["stripes_dead"]
+            out["transport"]["bytes_per_stripe"] = [sum(col) for col in zip(*(t["bytes_per_stripe"] for t in steps))]
         if self.rank == 0:
             (self.path.parent / "summary.json").write_text(json.dumps(out, indent=1))
             if self._tb is not None:
@@ -152,6 +164,14 @@ def format_summary(s: dict[str, Any]) -> str:
           if s.get("dp_cross_vendor_transport", "none") != "none" else []),
         ("cross-vendor", f"{s['xvendor_bytes'] / 1e6:.1f} MB moved (all ranks, {s['xvendor_source']}), "
                          f"{s['xvendor_comm_s']:.2f} s in cross-vendor comm (per rank, waits included)"),
+        *([("transport", _transport_line(s["transport"]))] if s.get("transport") else []),
         ("run folder", f"{s['run_dir']} (metrics.jsonl, summary.json, checkpoints/)"),
     ]
     return "summary:\n" + "\n".join(f"  {k:<13} {v}" for k, v in rows)
+
+
+def _transport_line(t: dict[str, Any]) -> str:
+    stripes = "/".join(f"{b / 1e6:.1f}" for b in t["bytes_per_stripe"])
+    return (f"{t['bytes_staged'] / 1e6:.1f} MB staged, {t['pool_buffers_allocated']} pool buffers allocated "
+            f"({t['pool_buffers_allocated_after_first_step']} after step 1), {t['failovers']} failovers, "
+            f"{t['stripes_dead']} stripes down; MB sent per stripe {stripes} (all ranks)")

@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from bimetal import faults
+from bimetal.comm.meter import TransportMeter
 from bimetal.errors import JobAborted, UserError
 from bimetal.supervisor import report_step
 from bimetal.train import checkpoint
@@ -226,6 +227,7 @@ def _run(cfg: TrainConfig, ctx: Any, models: Any, args: Any, split: list[int], t
     if rank == (ctx.layout.mesh[-1][0][0] if ctx else 0):
         metrics.console = StepConsole(cfg.training.steps, start, cfg.metrics.log_every)
     meter = _XvendorMeter(ctx, runner)
+    transport_meter = TransportMeter([ctx.pp_group, ctx.dp_group] if ctx else [])
     pp_name = ctx.my_group_name("pp") if ctx else None
     dp_name = ctx.my_group_name("dp") if ctx else None
     for step in range(start, cfg.training.steps):
@@ -267,7 +269,8 @@ def _run(cfg: TrainConfig, ctx: Any, models: Any, args: Any, split: list[int], t
             loss_t /= dp_size
         comm_s, comm_bytes = meter.read(schedule_s, dp_s, dp_bytes)
         ntok = cfg.data.batch_size * seq * cfg.optim.grad_accum * dp_size
-        metrics.log(step + 1, float(loss_t), ntok, time.perf_counter() - t0, lr, norm, comm_s, comm_bytes)
+        metrics.log(step + 1, float(loss_t), ntok, time.perf_counter() - t0, lr, norm, comm_s, comm_bytes,
+                    transport_meter.step())
         every = cfg.checkpoint.every
         if (every and (step + 1) % every == 0) or step + 1 == cfg.training.steps:
             checkpoint.save(folder, step + 1, checkpoint.training_state(model, opt, stage),

@@ -3,8 +3,9 @@ its chunks are re-sent on the stripes that still work, and the stripe is left fo
 
 Used when a group has K > 1 stripes (one stripe keeps the plain path of ``pg.py``: nothing to fail over to).
 
-Protocol. Round 0 follows the static plan (chunk j on stripe (first + j) % K, as ``chunk_plan``); each side
-skips the stripes it already holds dead. When the receiver has seen every chunk it posted arrive or get lost
+Protocol. Round 0 follows the plan both sides compute (``striping.chunk_plan``: stripe shares by bytes, with
+the weights the previous transfer's final status agreed on, see ``balance``); each side skips the stripes
+it already holds dead. When the receiver has seen every chunk it posted arrive or get lost
 with its stripe, it sends a *status* on every stripe it holds alive: a fixed-layout int64 tensor
 ``[magic, transfer number, round, flags, dead-stripe mask, missing count, bitmap of missing chunks]`` (no
 pickle). The sender waits for it on every stripe it holds alive, kills the stripes the mask names, and
@@ -40,9 +41,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from bimetal.comm.base import TransportError
+from bimetal.comm.cpu_forward.balance import WEIGHT_SCALE, rebalance
 
 if TYPE_CHECKING:
-    from bimetal.comm.cpu_forward.pg import _Deadline
+    from bimetal.comm.cpu_forward.work import Deadline
 
 MAGIC = 0x626D6631  # "bmf1"
 CONTROL_TAG = 0x7FFF0001  # status messages; chunks keep the caller's tag
@@ -164,12 +166,22 @@ class Transfer:
     """One point-to-point message with failover; ``send`` / ``recv`` run it on the caller's worker thread."""
 
     def __init__(self, stripes: StripeSet, waiters: list[Waiter], peer: int, peer_global: int, tag: int,
-                 number: int, first: int, chunks: int, deadline: _Deadline, stall_s: float, window: int):
+                 number: int, plan: list[tuple[int, int]], deadline: Deadline, stall_s: float, window: int,
+                 weights: list[int] | None = None):
+        """``plan``: (chunk, stripe) of round 0 in posting order (``striping.chunk_plan``); ``weights``: the
+        stripe shares that plan was made with (None: equal)."""
         self.stripes, self.waiters, self.peer, self.peer_global = stripes, waiters, peer, peer_global
-        self.tag, self.number, self.chunks, self.d = tag, number, chunks, deadline
+        self.tag, self.number, self.chunks, self.d = tag, number, len(plan), deadline
         self.stall_s, self.window = stall_s, max(1, window)
         self.k = len(stripes)
-        self.plan = [(j, (first + j) % self.k) for j in range(chunks)]
+        self.plan = plan
+        self.weights = weights
+        self.next_weights: list[int] | None = None
+        """Stripe shares for the next transfer of this direction and peer, agreed in the final status."""
+        self.moved: dict[int, int] = {}
+        """Bytes per stripe whose op completed, all rounds."""
+        self.rounds = 0
+        """Re-send rounds this transfer needed (0: no stripe failed)."""
         self.last_error = ""
 
     def kill(self, s: int, reason: str) -> None:
@@ -193,12 +205,14 @@ class Transfer:
                 raise TransportError(f"{self.d.op.describe()}: the receiver found a checksum mismatch, the data "
                                      "was corrupted in transit")
             if status.flags == DONE:
+                self.next_weights = status.weights
                 return
             plan, round_, active = status.assignment, round_ + 1, True
+            self.rounds = round_
 
     def _await_status(self, round_: int) -> Status:
         words = _words(self.chunks)
-        bufs = {s: torch.zeros(_HEADER + words, dtype=torch.int64) for s in self.stripes.alive()}
+        bufs = {s: torch.zeros(_HEADER + words + self.k, dtype=torch.int64) for s in self.stripes.alive()}
 
         def first(s: int) -> None:  # the receiver's dead stripes are dead: no need to wait them out here
             mask = Status.parse(bufs[s], self, round_).dead_mask
@@ -259,13 +273,21 @@ class Transfer:
              complete: Callable[[], None] | None = None) -> None:
         """``complete``: called when every chunk is in and verified, before the final status goes out."""
         plan, missing, round_, active = self.plan, set(range(self.chunks)), 0, False
+        first_phase: _Phase | None = None
         while True:
-            missing -= _Phase(self, active).pump("recv", plan, io)
+            phase = _Phase(self, active)
+            first_phase = first_phase or phase
+            missing -= phase.pump("recv", plan, io)
             alive = self.stripes.alive()
             if not alive:
                 raise self.no_stripe_left()
             flags = MORE if missing else (DONE if verify is None or verify() else CORRUPT)
-            status = Status.encode(self.number, round_, flags, self.stripes.dead_mask(), missing, self.chunks)
+            dead = self.stripes.dead_mask()
+            if flags == DONE:  # measured on round 0 only: a re-send round says nothing about the links' rates
+                self.next_weights = rebalance(self.weights, self.k, dead, first_phase.moved if round_ == 0 else {},
+                                              {s: t - first_phase.start for s, t in first_phase.finish.items()})
+            status = Status.encode(self.number, round_, flags, dead, missing, self.chunks, self.next_weights,
+                                   self.k)
             if flags == DONE and complete is not None:
                 complete()
             # (the sender's chunks follow once it has the status: the next round starts with the peer seen)
@@ -277,6 +299,7 @@ class Transfer:
                 return
             plan = [(j, alive[i % len(alive)]) for i, j in enumerate(sorted(missing))]
             round_, active = round_ + 1, True
+            self.rounds = round_
 
 
 class _Phase:
@@ -289,6 +312,9 @@ class _Phase:
         self.clock: dict[int, float] = {}  # when the stripe last completed an op or went from idle to busy
         self.done_at: dict[int, float] = {}  # when it last completed one
         self.active_at = time.monotonic() if active else None
+        self.start = time.monotonic()
+        self.moved: dict[int, int] = {}  # bytes per stripe whose op completed, and when the last one did
+        self.finish: dict[int, float] = {}
 
     def _others_work(self, s: int) -> bool:
         """Whether another stripe is fine while ``s`` stalls: idle (its share done), or still completing ops
@@ -325,7 +351,7 @@ class _Phase:
                 if self.t.stripes.is_dead(s):
                     continue
                 buf = io.buffer(j)
-                if self.post(s, kind, buf, self.t.tag, ("chunk", j, buf)):
+                if self.post(s, kind, buf, self.t.tag, ("chunk", j, buf, s)):
                     inflight += 1
                 else:
                     io.release(j, buf, False)
@@ -336,6 +362,10 @@ class _Phase:
                 inflight -= 1
                 if ok:
                     done.add(token[1])
+                    s = token[3]
+                    self.moved[s] = self.moved.get(s, 0) + token[2].numel() * token[2].element_size()
+                    self.finish[s] = time.monotonic()
+                    self.t.moved[s] = self.t.moved.get(s, 0) + token[2].numel() * token[2].element_size()
                 io.release(token[1], token[2], ok)
                 fill()
 
@@ -356,6 +386,7 @@ class _Phase:
         try:
             t.stripes.post(s, kind, buf, t.peer, t.tag).wait(timedelta(seconds=max(0.001, t.d.end - time.monotonic())))
             ok = True
+            t.moved[s] = t.moved.get(s, 0) + buf.numel() * buf.element_size()
         except RuntimeError as exc:
             if time.monotonic() >= t.d.end - 0.01:
                 raise t.d.expired() from None
@@ -418,30 +449,40 @@ def _words(chunks: int) -> int:
 class Status:
     """The receiver's status: fixed-layout int64, validated field by field (it comes off the network)."""
 
-    def __init__(self, flags: int, dead_mask: int, missing: list[int], k: int):
-        self.flags, self.dead_mask, self.missing = flags, dead_mask, missing
+    def __init__(self, flags: int, dead_mask: int, missing: list[int], k: int, weights: list[int] | None = None):
+        self.flags, self.dead_mask, self.missing, self.weights = flags, dead_mask, missing, weights
         alive = [s for s in range(k) if not dead_mask >> s & 1]
         self.assignment = [(j, alive[i % len(alive)]) for i, j in enumerate(missing)] if alive else []
 
     @staticmethod
-    def encode(number: int, round_: int, flags: int, dead_mask: int, missing: set[int], chunks: int) -> torch.Tensor:
+    def encode(number: int, round_: int, flags: int, dead_mask: int, missing: set[int], chunks: int,
+               weights: list[int] | None = None, k: int | None = None) -> torch.Tensor:
+        """``weights``: the stripe shares of the next transfer (with DONE); all zero: keep the current ones."""
         bits = [0] * _words(chunks)
         for j in missing:
             bits[j // 32] |= 1 << (j % 32)
-        return torch.tensor([MAGIC, number, round_, flags, dead_mask, len(missing), *bits], dtype=torch.int64)
+        shares = list(weights) if weights else [0] * (k or 0)  # (no words at all: read as "keep")
+        return torch.tensor([MAGIC, number, round_, flags, dead_mask, len(missing), *bits, *shares],
+                            dtype=torch.int64)
 
     @staticmethod
     def parse(raw: torch.Tensor, t: Transfer, round_: int) -> Status:
         v = [int(x) for x in raw.tolist()]
         magic, number, rnd, flags, mask, count = v[:_HEADER]
+        words = _words(t.chunks)
+        shares = v[_HEADER + words:]
+        v = v[:_HEADER + words]
         missing = [w * 32 + b for w, word in enumerate(v[_HEADER:]) for b in range(32) if word >> b & 1]
         problems = [name for name, bad in (
             ("magic", magic != MAGIC), ("transfer number", number != t.number), ("round", rnd != round_),
             ("flags", flags not in (DONE, MORE, CORRUPT)), ("dead mask", not 0 <= mask < 1 << t.k),
             ("missing count", count != len(missing) or (flags == MORE) != (count > 0)),
             ("missing chunk", any(j >= t.chunks for j in missing) or any(w >> 32 for w in v[_HEADER:])),
-            ("alive stripes", flags == MORE and mask == (1 << t.k) - 1)) if bad]
+            ("alive stripes", flags == MORE and mask == (1 << t.k) - 1),
+            ("stripe weights", len(shares) not in (0, t.k) or any(not 0 <= w <= WEIGHT_SCALE for w in shares)
+             or (any(shares) and (not any(shares[s] for s in range(t.k) if not mask >> s & 1)
+                                  or any(shares[s] for s in range(t.k) if mask >> s & 1))))) if bad]
         if problems:
             raise TransportError(f"{t.d.op.describe()}: malformed status from the peer (bad "
                                  f"{', '.join(problems)}); not used")
-        return Status(flags, mask, missing, t.k)
+        return Status(flags, mask, missing, t.k, shares if any(shares) else None)

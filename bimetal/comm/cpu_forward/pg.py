@@ -1,5 +1,9 @@
 """The cpu-forward process group: every tensor crosses through host memory and Gloo over TCP.
 
+Fast path: with one stripe, a CPU tensor's send or receive is posted to Gloo on the caller's thread and
+waited for there (``work.DirectWork``), as long as nothing of the same direction and peer still waits on a
+worker to be posted; that is what keeps small and mid-size messages at Gloo's speed.
+
 Threads: each (direction, peer) of point-to-point traffic has its own worker, so a send that waits for a
 slow receiver never holds up traffic with another peer or in the other direction (1F1B has both in
 flight); collectives run on one worker in issue order, which is the same on every rank. The caller only
@@ -18,7 +22,6 @@ receiver confirms. Collectives do not fail over: on a degraded stripe they fail 
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 import warnings
@@ -46,65 +49,16 @@ from bimetal.comm.base import (
     BimetalProcessGroup,
     OpRecord,
     TransportError,
-    TransportTimeout,
     UnsupportedOperation,
     check_dtype,
     make_work,
 )
+from bimetal.comm.cpu_forward.chunks import HostChunks, StagedRecv, StagedSend
 from bimetal.comm.cpu_forward.failover import StripeSet, Transfer, Waiter
+from bimetal.comm.cpu_forward.stats import StripeStats
+from bimetal.comm.cpu_forward.work import Deadline, DirectWork, Worker
 from bimetal.comm.staging import CopyStreams, PinnedPool, copy_to_device, copy_to_host, is_device
-from bimetal.comm.striping import CpuForwardOptions, chunk_plan
-
-_STOP = object()
-
-
-class _Worker:
-    """One thread running jobs in order; each job completes its own future."""
-
-    def __init__(self, name: str):
-        self._jobs: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
-        self._thread.start()
-
-    def submit(self, job: Callable[[], None]) -> None:
-        self._jobs.put(job)
-
-    def _loop(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is _STOP:
-                return
-            job()
-
-    def stop(self, timeout: float) -> None:
-        self._jobs.put(_STOP)
-        self._thread.join(timeout)
-
-
-class _Deadline:
-    def __init__(self, op: OpRecord, timeout: timedelta, diagnose: Callable[[OpRecord], str] | None = None):
-        self.op, self.timeout, self.diagnose = op, timeout, diagnose
-        self.end = time.monotonic() + timeout.total_seconds()
-        self.release: Callable[[], None] = lambda: None
-        """Completes the op for its caller early (the worker goes on with the rest of it)."""
-
-    def wait(self, work: dist.Work) -> None:
-        remaining = self.end - time.monotonic()
-        if remaining <= 0:
-            raise self.expired()
-        try:
-            work.wait(timedelta(seconds=remaining))
-        except RuntimeError as exc:
-            text = str(exc)
-            if "timed out" in text.lower() or "timeout" in text.lower():
-                raise self.expired() from None
-            raise TransportError(f"{self.op.describe()} failed: {text.splitlines()[0]}") from None
-
-    def expired(self) -> TransportTimeout:
-        where = self.diagnose(self.op) if self.diagnose else ""
-        return TransportTimeout(f"{self.op.describe()} did not complete within {self.timeout.total_seconds():g} s "
-                                "(the peer did not answer: dead, stalled or in a different operation)"
-                                + (f"; {where}" if where else ""))
+from bimetal.comm.striping import SINGLE_BYTES, CpuForwardOptions, chunk_plan
 
 
 class CpuForwardProcessGroup(BimetalProcessGroup):
@@ -122,8 +76,10 @@ class CpuForwardProcessGroup(BimetalProcessGroup):
         self.checksum = checksum
         self.pool = PinnedPool(options.pool_buffers)
         self._streams = CopyStreams()
-        self._workers: dict[Any, _Worker] = {}
+        self._workers: dict[Any, Worker] = {}
         self._workers_lock = threading.Lock()
+        self._timeout_s = timeout.total_seconds()
+        self._queued: dict[Any, int] = {}  # jobs submitted per worker key whose Gloo ops are not posted yet
         self._stripe_turn: dict[tuple[str, int], int] = {}
         self._fault: str | None = None
         self.links = StripeSet(self.stripes, self.interfaces)
@@ -131,15 +87,27 @@ class CpuForwardProcessGroup(BimetalProcessGroup):
         self.stall_s = options.stall_seconds(timeout)
         self._waiters: dict[Any, list[Waiter]] = {}
         self._deferred: dict[Any, TransportError] = {}
+        self._weights: dict[Any, list[int]] = {}  # stripe shares per (direction, peer), agreed per transfer
+        self.stats = StripeStats(len(self.stripes))
+
+    def comm_stats(self) -> dict[str, int]:
+        """The base counters, the staging pool's allocations, failovers and bytes per stripe (point-to-point)."""
+        out = self.counters.snapshot()
+        out["pool_buffers_allocated"] = self.pool.allocations
+        out["stripes_dead"] = len(self.links.dead)
+        out.update(self.stats.snapshot())
+        if len(self.stats.stripe_bytes) == 1:  # every point-to-point byte sent rode stripe 0
+            out["bytes_stripe0"] = out["bytes_sent"]
+        return out
 
     # --- plumbing ------------------------------------------------------------------------------------
-    def _worker(self, key: Any) -> _Worker:
+    def _worker(self, key: Any) -> Worker:
         with self._workers_lock:
             if key not in self._workers:
-                self._workers[key] = _Worker(f"bimetal-cf-{self.description}-{key}")
+                self._workers[key] = Worker(f"bimetal-cf-{self.description}-{key}")
             return self._workers[key]
 
-    def _submit(self, key: Any, op: OpRecord, body: Callable[[_Deadline], Any]) -> dist.Work:
+    def _submit(self, key: Any, op: OpRecord, body: Callable[[Deadline], Any]) -> dist.Work:
         fut: torch.futures.Future = torch.futures.Future()
 
         def release() -> None:  # the caller may go on; the worker still finishes the op (failover's confirmation)
@@ -156,13 +124,16 @@ class CpuForwardProcessGroup(BimetalProcessGroup):
 
         def job() -> None:
             try:
-                earlier = self._deferred.pop(key, None)
-                if earlier is not None:
-                    raise TransportError(f"{op.describe()} not started: an earlier transfer with this peer failed "
-                                         f"after completing: {earlier}")
-                d = _Deadline(op, self.timeout, self.diagnose)
-                d.release = release
-                value = body(d)
+                try:
+                    earlier = self._deferred.pop(key, None)
+                    if earlier is not None:
+                        raise TransportError(f"{op.describe()} not started: an earlier transfer with this peer "
+                                             f"failed after completing: {earlier}")
+                    d = Deadline(op, self.timeout, self.diagnose)
+                    d.release = release
+                    value = body(d)
+                finally:  # every Gloo op of this job is posted (and waited for): the fast path may post again
+                    self._queued_done(key)
                 if not fut.done():
                     fut.set_result(value)
             except TransportError as exc:
@@ -170,8 +141,20 @@ class CpuForwardProcessGroup(BimetalProcessGroup):
             except Exception as exc:  # a Gloo or torch error: name the op, keep the cause's first line
                 settle(TransportError(f"{op.describe()} failed: {str(exc).splitlines()[0]}"))
 
+        with self._workers_lock:
+            self._queued[key] = self._queued.get(key, 0) + 1
         self._worker(key).submit(job)
         return make_work(fut)
+
+    def _queued_done(self, key: Any) -> None:
+        with self._workers_lock:
+            self._queued[key] -= 1
+
+    def _direct(self, key: Any) -> bool:
+        """Whether an op on ``key`` may be posted on the caller's thread: nothing of that key still waits on its
+        worker to be posted (Gloo matches a pair's messages in posting order), and no late error is pending."""
+        with self._workers_lock:
+            return not self._queued.get(key) and key not in self._deferred
 
     def _turn(self, direction: str, peer: int) -> int:
         # k-th send to a peer pairs with its k-th receive from us: both sides count (and rotate) the same way.
@@ -193,26 +176,28 @@ class CpuForwardProcessGroup(BimetalProcessGroup):
         (tensor,) = tensors
         op = self._begin("send", dst)
         check_dtype(op, tensor)
-        turn = self._turn("send", dst)
-        first = turn % len(self.stripes)
         if len(self.stripes) > 1:
+            turn = self._turn("send", dst)
             return self._submit(("send", dst), op, lambda d: self._send_failover(tensor, dst, tag, turn, d))
         if is_device(tensor):
-            return self._submit(("send", dst), op, lambda d: self._send_staged(tensor, dst, tag, first, d))
-        flat = tensor.detach().reshape(-1) if tensor.is_contiguous() else tensor.detach().contiguous().view(-1)
-        return self._submit(("send", dst), op, lambda d: self._send_host(flat, dst, tag, first, d))
+            return self._submit(("send", dst), op, lambda d: self._send_staged(tensor, dst, tag, 0, d))
+        flat = tensor if tensor.is_contiguous() else tensor.contiguous()  # (Gloo reads the bytes; any shape)
+        if self._direct(("send", dst)):  # the fast path: posted here, waited for by the caller (work.py)
+            return self._post_direct(op, lambda: self._post_send_host(flat, dst, tag))
+        return self._submit(("send", dst), op, lambda d: self._wait_all(d, *self._post_send_host(flat, dst, tag)))
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> dist.Work:  # type: ignore[override]
         (tensor,) = tensors
         op = self._begin("recv", src)
         check_dtype(op, tensor)
-        turn = self._turn("recv", src)
-        first = turn % len(self.stripes)
         if len(self.stripes) > 1:
+            turn = self._turn("recv", src)
             return self._submit(("recv", src), op, lambda d: self._recv_failover(tensor, src, tag, turn, d))
         if is_device(tensor):
-            return self._submit(("recv", src), op, lambda d: self._recv_staged(tensor, src, tag, first, d))
-        return self._submit(("recv", src), op, lambda d: self._recv_host(tensor, src, tag, first, d))
+            return self._submit(("recv", src), op, lambda d: self._recv_staged(tensor, src, tag, 0, d))
+        if self._direct(("recv", src)):
+            return self._post_direct(op, lambda: self._post_recv_host(tensor, src, tag, op))
+        return self._submit(("recv", src), op, lambda d: self._wait_all(d, *self._post_recv_host(tensor, src, tag, op)))
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> dist.Work:  # type: ignore[override]
         raise self.unsupported("recv", "any source")
@@ -220,23 +205,45 @@ class CpuForwardProcessGroup(BimetalProcessGroup):
     def _plan(self, numel: int, esize: int, first: int) -> list[tuple[int, int, int]]:
         return chunk_plan(numel, esize, self.options.chunk_bytes, len(self.stripes), first)
 
+    def _pool_numel(self, t: torch.Tensor) -> int:
+        """Elements of a staging buffer for ``t``'s dtype: one size per dtype (the largest chunk any plan makes),
+        so the pool's buffers serve every message size and it stops allocating after warm-up."""
+        most = max(self.options.chunk_bytes, SINGLE_BYTES if len(self.stripes) > 1 else 0)
+        return max(1, most // t.element_size())
+
     # --- K > 1: failover (failover.py) ---------------------------------------------------------------
-    def _transfer(self, key: tuple[str, int], peer: int, tag: int, turn: int, chunks: int, d: _Deadline,
-                  window: int) -> Transfer:
+    def _transfer(self, key: tuple[str, int], peer: int, tag: int, turn: int, data: torch.Tensor, d: Deadline,
+                  window: int, crc: bool = False) -> tuple[Transfer, list[tuple[int, int]]]:
+        """The transfer of ``data`` (flat) and its chunks' element ranges, planned with the stripe shares the
+        previous transfer of ``key`` agreed on; with ``crc``, one more chunk (the checksum) on the first stripe."""
         with self._workers_lock:
             if key not in self._waiters:
                 self._waiters[key] = [Waiter(f"bimetal-cf-{self.description}-{key}-s{s}")
                                       for s in range(len(self.stripes))]
-        return Transfer(self.links, self._waiters[key], peer, self.global_rank(peer), tag, turn,
-                        turn % len(self.stripes), chunks, d, self.stall_s, window)
+        weights = self._weights.get(key)
+        plan = chunk_plan(data.numel(), data.element_size(), self.options.chunk_bytes, len(self.stripes), turn,
+                          weights)
+        order = [(j, s) for j, (_, _, s) in enumerate(plan)] + ([(len(plan), plan[0][2])] if crc else [])
+        t = Transfer(self.links, self._waiters[key], peer, self.global_rank(peer), tag, turn, order, d, self.stall_s,
+                     max(window, len(self.stripes)), weights)
+        return t, [(a, b) for a, b, _ in plan]
 
-    def _send_failover(self, tensor: torch.Tensor, dst: int, tag: int, turn: int, d: _Deadline) -> None:
+    def _settled(self, key: tuple[str, int], t: Transfer) -> None:
+        """After a transfer of ``key`` completed: keep the shares it agreed on; a send counts its stripes' bytes
+        and whether it failed over (the sender's side only, so that sums over ranks count each byte once)."""
+        if t.next_weights is not None:
+            self._weights[key] = t.next_weights
+        if key[0] == "send":
+            self.stats.transfer(t.moved, t.rounds)
+
+    def _send_failover(self, tensor: torch.Tensor, dst: int, tag: int, turn: int, d: Deadline) -> None:
         flat = tensor.detach().reshape(-1) if tensor.is_contiguous() else tensor.detach().contiguous().view(-1)
         if is_device(flat):
-            ranges = [(a, b) for a, b, _ in self._plan(flat.numel(), flat.element_size(), 0)]
-            io: Any = _StagedSend(flat, ranges, self.pool, self._streams.pair(flat.device)[0], self.timeout)
-            window = max(1, self.options.pool_buffers // 2)
-            self._transfer(("send", dst), dst, tag, turn, len(ranges), d, window).send(io)
+            t, ranges = self._transfer(("send", dst), dst, tag, turn, flat, d, max(1, self.options.pool_buffers // 2))
+            io: Any = StagedSend(flat, ranges, self.pool, self._streams.pair(flat.device)[0], self.timeout,
+                                  self._pool_numel(flat))
+            t.send(io)
+            self._settled(("send", dst), t)
             self.counters.add(bytes_sent=flat.numel() * flat.element_size(),
                               bytes_staged=flat.numel() * flat.element_size())
             return
@@ -244,26 +251,26 @@ class CpuForwardProcessGroup(BimetalProcessGroup):
         nbytes = data.numel() * data.element_size()
         # Up to one chunk, a pooled copy lets the caller go on once the data is on the wire, while the worker
         # waits for the receiver's confirmation (and re-sends from the copy): pipeline traffic keeps its latency.
-        keep = self.pool.take(data.dtype, data.numel(), self.timeout) if 0 < nbytes <= self.options.chunk_bytes \
-            else None
+        keep = self.pool.take(data.dtype, self._pool_numel(data), self.timeout) \
+            if 0 < nbytes <= self.options.chunk_bytes else None
         if keep is not None:
-            data = keep.copy_(data)
-        ranges = [(a, b) for a, b, _ in self._plan(data.numel(), data.element_size(), 0)]
-        io = _HostChunks(data, ranges, crc)
+            data = keep[:data.numel()].copy_(data)
+        t, ranges = self._transfer(("send", dst), dst, tag, turn, data, d, 1 << 30, crc is not None)
+        io = HostChunks(data, ranges, crc)
         try:
-            self._transfer(("send", dst), dst, tag, turn, len(io), d, len(io)).send(
-                io, d.release if keep is not None else None)
+            t.send(io, d.release if keep is not None else None)
         finally:
             if keep is not None:
                 self.pool.give(keep)
+        self._settled(("send", dst), t)
         self.counters.add(bytes_sent=nbytes, bytes_direct=nbytes)
 
-    def _recv_failover(self, tensor: torch.Tensor, src: int, tag: int, turn: int, d: _Deadline) -> None:
+    def _recv_failover(self, tensor: torch.Tensor, src: int, tag: int, turn: int, d: Deadline) -> None:
         if is_device(tensor):
             out = tensor.view(-1) if tensor.is_contiguous() else torch.empty_like(tensor).view(-1)
-            ranges = [(a, b) for a, b, _ in self._plan(out.numel(), out.element_size(), 0)]
-            staged = _StagedRecv(out, ranges, self.pool, self._streams.pair(out.device)[1], self.timeout,
-                                 max(1, self.options.pool_buffers // 2))
+            t, ranges = self._transfer(("recv", src), src, tag, turn, out, d, max(1, self.options.pool_buffers // 2))
+            staged = StagedRecv(out, ranges, self.pool, self._streams.pair(out.device)[1], self.timeout,
+                                 max(1, self.options.pool_buffers // 2), self._pool_numel(out))
 
             def complete_staged() -> None:
                 staged.finish()
@@ -273,15 +280,15 @@ class CpuForwardProcessGroup(BimetalProcessGroup):
                                   bytes_staged=out.numel() * out.element_size())
                 d.release()
 
-            self._transfer(("recv", src), src, tag, turn, len(ranges), d, staged.depth).recv(
-                staged, None, complete_staged)
+            t.recv(staged, None, complete_staged)
+            self._settled(("recv", src), t)
             return
         direct = tensor.is_contiguous()
         target = tensor.view(-1) if direct else torch.empty(tensor.numel(), dtype=tensor.dtype)
         data = target.view(torch.uint8) if target.dtype == torch.bool else target
-        ranges = [(a, b) for a, b, _ in self._plan(data.numel(), data.element_size(), 0)]
+        t, ranges = self._transfer(("recv", src), src, tag, turn, data, d, 1 << 30, self.checksum)
         crc = torch.zeros(1, dtype=torch.int64) if self.checksum else None
-        io = _HostChunks(data, ranges, crc)
+        io = HostChunks(data, ranges, crc)
         verify = (lambda: int(crc.item()) == int(self._crc(data).item())) if crc is not None else None
 
         def complete() -> None:  # every byte is in (and checked): the caller may go on; the status follows
@@ -291,59 +298,92 @@ class CpuForwardProcessGroup(BimetalProcessGroup):
                               bytes_direct=data.numel() * data.element_size())
             d.release()
 
-        self._transfer(("recv", src), src, tag, turn, len(io), d, len(io)).recv(io, verify, complete)
+        t.recv(io, verify, complete)
+        self._settled(("recv", src), t)
 
     def _payload(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The bytes a host send puts on the wire, with their CRC when checksums are on (and the test fault)."""
-        data = flat.view(torch.uint8) if flat.dtype == torch.bool else flat
+        data = flat.view(torch.uint8) if flat.dtype is torch.bool else flat
         crc = self._crc(data) if self.checksum else None
         if self._fault == "corrupt" and data.numel():
             data = data.clone()
-            data.view(torch.uint8)[0] ^= 0xFF
+            data.reshape(-1).view(torch.uint8)[0] ^= 0xFF
             self._fault = None
         return data, crc
 
     # --- K = 1 -----------------------------------------------------------------------------------------
-    def _send_host(self, flat: torch.Tensor, dst: int, tag: int, first: int, d: _Deadline) -> None:
-        data, crc = self._payload(flat)
-        plan = self._plan(data.numel(), data.element_size(), first)
-        works = [self.stripes[s].send([data[a:b]], dst, tag) for a, b, s in plan]
-        if crc is not None:
-            works.append(self.stripes[plan[-1][2]].send([crc], dst, tag))
+    def _post_direct(self, op: OpRecord, post: Callable[[], tuple[list[Any], Callable[[], None]]]) -> dist.Work:
+        end = time.monotonic() + self._timeout_s
+
+        def deadline() -> Deadline:
+            return Deadline(op, self.timeout, self.diagnose)
+
+        try:
+            works, finish = post()
+        except RuntimeError as exc:  # Gloo refuses to post (a closed pair): the caller's wait() reports it
+            return DirectWork([], op, end, deadline,
+                              error=TransportError(f"{op.describe()} failed: {str(exc).splitlines()[0]}"))
+        return DirectWork(works, op, end, deadline, finish)
+
+    def _host_chunks(self, data: torch.Tensor) -> list[torch.Tensor]:
+        """``data`` whole when it fits one chunk (no reshape, no slice: each costs microseconds), else its chunks."""
+        if data.numel() * data.element_size() <= self.options.chunk_bytes:
+            return [data]
+        flat = data.reshape(-1)
+        return [flat[a:b] for a, b, _ in self._plan(flat.numel(), flat.element_size(), 0)]
+
+    @staticmethod
+    def _wait_all(d: Deadline, works: list[Any], finish: Callable[[], None]) -> None:
         for w in works:
             d.wait(w)
-        self.counters.add(bytes_sent=data.numel() * data.element_size(),
-                          bytes_direct=data.numel() * data.element_size())
+        finish()
 
-    def _recv_host(self, tensor: torch.Tensor, src: int, tag: int, first: int, d: _Deadline) -> None:
+    def _post_send_host(self, flat: torch.Tensor, dst: int, tag: int) -> tuple[list[Any], Callable[[], None]]:
+        """K = 1, a CPU tensor: post its chunks (and CRC) to Gloo; ``finish`` counts it once they completed."""
+        data, crc = self._payload(flat)
+        stripe = self.stripes[0]
+        works = [stripe.send([part], dst, tag) for part in self._host_chunks(data)]
+        if crc is not None:
+            works.append(stripe.send([crc], dst, tag))
+        nbytes = data.numel() * data.element_size()
+
+        def finish() -> None:  # (with one stripe, bytes_stripe0 is derived in comm_stats: one lock less per op)
+            self.counters.add(bytes_sent=nbytes, bytes_direct=nbytes)
+
+        return works, finish
+
+    def _post_recv_host(self, tensor: torch.Tensor, src: int, tag: int, op: OpRecord
+                        ) -> tuple[list[Any], Callable[[], None]]:
         direct = tensor.is_contiguous()
-        target = tensor.view(-1) if direct else torch.empty(tensor.numel(), dtype=tensor.dtype)
-        data = target.view(torch.uint8) if target.dtype == torch.bool else target
-        plan = self._plan(data.numel(), data.element_size(), first)
-        works = [self.stripes[s].recv([data[a:b]], src, tag) for a, b, s in plan]
+        target = tensor if direct else torch.empty(tensor.shape, dtype=tensor.dtype)
+        data = target.view(torch.uint8) if target.dtype is torch.bool else target
+        stripe = self.stripes[0]
+        works = [stripe.recv([part], src, tag) for part in self._host_chunks(data)]
         crc = torch.zeros(1, dtype=torch.int64) if self.checksum else None
         if crc is not None:
-            works.append(self.stripes[plan[-1][2]].recv([crc], src, tag))
-        for w in works:
-            d.wait(w)
-        if crc is not None and int(crc.item()) != int(self._crc(data).item()):
-            raise TransportError(f"{d.op.describe()}: checksum mismatch, the data was corrupted in transit "
-                                 "(not used)")
-        if not direct:
-            tensor.copy_(target.view(tensor.shape))
-        self.counters.add(bytes_received=data.numel() * data.element_size(),
-                          bytes_direct=data.numel() * data.element_size())
+            works.append(stripe.recv([crc], src, tag))
+
+        def finish() -> None:
+            if crc is not None and int(crc.item()) != int(self._crc(data).item()):
+                raise TransportError(f"{op.describe()}: checksum mismatch, the data was corrupted in transit "
+                                     "(not used)")
+            if not direct:
+                tensor.copy_(target)
+            nbytes = data.numel() * data.element_size()
+            self.counters.add(bytes_received=nbytes, bytes_direct=nbytes)
+
+        return works, finish
 
     @staticmethod
     def _crc(data: torch.Tensor) -> torch.Tensor:
-        raw = data.contiguous().view(torch.uint8).numpy()
+        raw = data.contiguous().reshape(-1).view(torch.uint8).numpy()
         return torch.tensor([zlib.crc32(raw)], dtype=torch.int64)  # type: ignore[arg-type]
 
-    def _send_staged(self, tensor: torch.Tensor, dst: int, tag: int, first: int, d: _Deadline) -> None:
+    def _send_staged(self, tensor: torch.Tensor, dst: int, tag: int, first: int, d: Deadline) -> None:
         flat = tensor.detach().reshape(-1)
         d2h, _ = self._streams.pair(tensor.device)
         plan = self._plan(flat.numel(), flat.element_size(), first)
-        size, depth = plan[0][1] - plan[0][0], max(1, self.options.pool_buffers // 2)
+        size, depth = self._pool_numel(flat), max(1, self.options.pool_buffers // 2)
         copies: deque[tuple[int, int, int, torch.Tensor, object]] = deque()  # D2H queued, not yet sent
         inflight: deque[tuple[dist.Work, torch.Tensor]] = deque()  # posted to Gloo
         nxt = 0
@@ -374,11 +414,11 @@ class CpuForwardProcessGroup(BimetalProcessGroup):
         nbytes = flat.numel() * flat.element_size()
         self.counters.add(bytes_sent=nbytes, bytes_staged=nbytes)
 
-    def _recv_staged(self, tensor: torch.Tensor, src: int, tag: int, first: int, d: _Deadline) -> None:
+    def _recv_staged(self, tensor: torch.Tensor, src: int, tag: int, first: int, d: Deadline) -> None:
         out = tensor.view(-1) if tensor.is_contiguous() else torch.empty_like(tensor).view(-1)
         _, h2d = self._streams.pair(tensor.device)
         plan = self._plan(out.numel(), out.element_size(), first)
-        size = plan[0][1] - plan[0][0]
+        size = self._pool_numel(out)
         depth = max(1, self.options.pool_buffers // 2)
         posted: deque[tuple[int, int, dist.Work, torch.Tensor]] = deque()
         copying: deque[tuple[object, torch.Tensor]] = deque()
@@ -413,7 +453,7 @@ class CpuForwardProcessGroup(BimetalProcessGroup):
         for t in (*ins, *outs):
             check_dtype(op, t)
 
-        def body(d: _Deadline) -> list[torch.Tensor]:
+        def body(d: Deadline) -> list[torch.Tensor]:
             stand_in: dict[int, torch.Tensor] = {}
             in_ids = {id(t) for t in ins}
 
@@ -613,77 +653,3 @@ class CpuForwardProcessGroup(BimetalProcessGroup):
             for waiter in waiters:
                 waiter.stop()
         self.stripes = []
-
-
-class _HostChunks:
-    """Chunks of a host tensor, sent from or received into in place; chunk ``len(ranges)`` is the CRC."""
-
-    def __init__(self, data: torch.Tensor, ranges: list[tuple[int, int]], crc: torch.Tensor | None):
-        self.data, self.ranges, self.crc = data, ranges, crc
-
-    def __len__(self) -> int:
-        return len(self.ranges) + (self.crc is not None)
-
-    def buffer(self, j: int) -> torch.Tensor:
-        if j == len(self.ranges):
-            assert self.crc is not None
-            return self.crc
-        a, b = self.ranges[j]
-        return self.data[a:b]
-
-    def release(self, j: int, buf: torch.Tensor, ok: bool) -> None:
-        pass
-
-
-class _StagedSend:
-    """Chunks of a device tensor: copied to a pooled pinned buffer when posted, the buffer freed when done."""
-
-    def __init__(self, flat: torch.Tensor, ranges: list[tuple[int, int]], pool: PinnedPool, stream: object,
-                 timeout: timedelta):
-        self.flat, self.ranges, self.pool, self.stream, self.timeout = flat, ranges, pool, stream, timeout
-        self.size = ranges[0][1] - ranges[0][0]
-        self.held: dict[int, torch.Tensor] = {}
-
-    def buffer(self, j: int) -> torch.Tensor:
-        a, b = self.ranges[j]
-        buf = self.held[j] = self.pool.take(self.flat.dtype, self.size, self.timeout)
-        copy_to_host(self.flat[a:b], buf[:b - a], self.stream).synchronize()  # type: ignore[attr-defined]
-        return buf[:b - a]
-
-    def release(self, j: int, buf: torch.Tensor, ok: bool) -> None:
-        self.pool.give(self.held.pop(j))
-
-
-class _StagedRecv:
-    """Chunks of a device tensor received into pooled pinned buffers; each arrival is copied to the device."""
-
-    def __init__(self, out: torch.Tensor, ranges: list[tuple[int, int]], pool: PinnedPool, stream: object,
-                 timeout: timedelta, depth: int):
-        self.out, self.ranges, self.pool, self.stream, self.timeout = out, ranges, pool, stream, timeout
-        self.size, self.depth = ranges[0][1] - ranges[0][0], depth
-        self.held: dict[int, torch.Tensor] = {}
-        self.copying: deque[tuple[object, torch.Tensor]] = deque()
-
-    def buffer(self, j: int) -> torch.Tensor:
-        a, b = self.ranges[j]
-        self.held[j] = self.pool.take(self.out.dtype, self.size, self.timeout)
-        return self.held[j][:b - a]
-
-    def release(self, j: int, buf: torch.Tensor, ok: bool) -> None:
-        full = self.held.pop(j)
-        if not ok:  # lost with its stripe: Gloo closed that context, nothing writes into it any more
-            self.pool.give(full)
-            return
-        a, b = self.ranges[j]
-        self.copying.append((copy_to_device(buf, self.out[a:b], self.stream), full))
-        while len(self.copying) > self.depth:
-            self._retire()
-
-    def _retire(self) -> None:
-        event, buf = self.copying.popleft()
-        event.synchronize()  # type: ignore[attr-defined]
-        self.pool.give(buf)
-
-    def finish(self) -> None:
-        while self.copying:
-            self._retire()

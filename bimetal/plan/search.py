@@ -158,7 +158,7 @@ def evaluate(spec: ClusterSpec, model: str, seq: int, global_batch: int, pp: int
         compute += _stage_time(m, g, ckpt, False, tp, tokens, seq) / 3  # recompute: one more forward
         plan.stage_compute.append(compute)
         comm = _fsdp_gather_seconds(m, g, plan, j, compute)
-        for nb in (j - 1, j + 1):  # activation in / out and its gradient, one per microbatch each
+        for nb in (j - 1, j + 1):  # per microbatch and neighbour: an activation and a gradient, one each way
             if 0 <= nb < pp:
                 other = stage_groups[nb]
                 # Neighbouring stages of one group share a node unless the boundary falls on a node edge.
@@ -166,12 +166,12 @@ def evaluate(spec: ClusterSpec, model: str, seq: int, global_batch: int, pp: int
                              and (min(j, nb) + 1) * width % g.gpus_per_node != 0)
                 pairs = min(width, g.gpus_per_node, other.gpus_per_node)
                 if other.vendor == g.vendor and homogeneous == "gloo":
-                    comm += hostpath.pair_transfer_seconds(act, "gloo", g, other, nics, pairs)
+                    comm += 2 * hostpath.pair_transfer_seconds(act, "gloo", g, other, nics, pairs)
                 elif same_node:
-                    comm += act / (g.intra_gbps * 1e9)
+                    comm += 2 * act / (g.intra_gbps * 1e9)
                 else:
                     tr = transport if other.vendor != g.vendor else "device-direct"
-                    comm += hostpath.pair_transfer_seconds(act, _usable(tr, g, other), g, other, nics, pairs)
+                    comm += 2 * hostpath.pair_transfer_seconds(act, _usable(tr, g, other), g, other, nics, pairs)
         plan.stage_comm.append(comm)
         in_flight = min(mbs, pp - j)
         mem = cost.stage_memory_bytes(m, layers[j], j == 0, j == pp - 1, tp, micro_batch, seq, in_flight,

@@ -56,8 +56,13 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["calibrate"]:
         from bimetal.plan.calibrate import main as calibrate_main
         return calibrate_main(argv[1:])
+    if argv[:1] == ["fit"]:
+        from bimetal.plan.fit import main as fit_main
+        return fit_main(argv[1:])
     ap = argparse.ArgumentParser(prog="bimetal plan", description=__doc__,
-                                 epilog="`bimetal plan calibrate --lab LAB` compares predictions with the lab.")
+                                 epilog="`bimetal plan calibrate --lab LAB` compares predictions with the lab; "
+                                        "`bimetal plan fit SPEC --bench-comm JSON --out NEW` sets a spec's host-path "
+                                        "constants from measurements.")
     ap.add_argument("spec", help="cluster spec TOML (see configs/clusters/)")
     ap.add_argument("--model", default="llama3-8b", help=f"model flavour: {', '.join(cost.MODELS)}")
     ap.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 8192)")

@@ -216,6 +216,9 @@ def _fsdp_gather_seconds(m: cost.ModelDims, g: NodeGroup, plan: Plan, j: int, co
         return 0.0
     nbytes = 2 * _stage_params(m, plan, j) / plan.tp
     n = plan.dp_shard
+    if plan.homogeneous == "gloo":  # an all-gather is half a Gloo all-reduce, forward and backward: one whole
+        return max(0.0, hostpath.gloo_allreduce_seconds(nbytes, g, n, g.gpus_per_node // plan.tp,
+                                                        n * plan.tp > g.gpus_per_node) - compute)
     gather = 2 * nbytes * (n - 1) / n / (_dp_bw(g, plan, n) * 1e9)
     return max(0.0, gather - compute)
 

@@ -10,6 +10,9 @@ transports and NICs, each against the faster homogeneous node:
 3. the same with one NIC per GPU;
 4. bimetal cpu-forward: chunk-pipelined staging, striped over every NIC;
 5. device-direct (RDMA between GPU memories), one NIC per GPU.
+
+Columns: TFLOP/s per GPU, its ratio to the faster one-node baseline, the step, the exposed communication
+of the slowest stage per step (boundary transfers and FSDP all-gathers) and the data-parallel reduction.
 """
 
 from __future__ import annotations
@@ -107,7 +110,7 @@ def ladder(spec: ClusterSpec, model: str, seq: int, global_batch: int, layout: t
     lines, top = _baseline_lines(baselines(spec, model, seq, global_batch))
     out = [f"{model} seq={seq} global_batch={global_batch} on {spec.path}: pp={pp} dp={dp} tp={tp}, the best "
            "micro-batch / FSDP / checkpointing variant per rung", "homogeneous baselines:", *lines,
-           f"{'rung':<38} {'TFLOP/s/GPU':>11} {'ratio':>6} {'step s':>7} {'pp xfer s':>9} {'dp s':>7}  variant"]
+           f"{'rung':<38} {'TFLOP/s/GPU':>11} {'ratio':>6} {'step s':>7} {'exposed s':>9} {'dp s':>7}  variant"]
     for i, r in enumerate(RUNGS):
         p = best_of(spec, model, seq, global_batch, pp, dp, tp, r)
         if p is None:

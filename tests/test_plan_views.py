@@ -60,6 +60,9 @@ def test_one_layout_and_a_train_config(capsys: pytest.CaptureFixture[str]) -> No
     (["--pp", "2", "--split", "a"], "must be comma-separated layer counts"),
     (["--ladder", "--profile", "intel=x.json"], "must be VENDOR=FILE"),
     (["--config", "configs/llama3-8b-h100-mi300x.toml", "--seq", "128"], "--config gives the layout"),
+    (["--transport", "gloo"], "--transport describes one layout; add --pp"),
+    (["--ladder", "--nics", "shared"], "--nics has no effect with --ladder"),
+    (["--config", "configs/llama3-8b-h100-mi300x.toml", "--pp", "2"], "--pp has no effect with --config"),
 ])
 def test_bad_layout_is_refused(args: list[str], msg: str) -> None:
     with pytest.raises(UserError, match=re.escape(msg)):

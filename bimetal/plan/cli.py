@@ -56,6 +56,9 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["calibrate"]:
         from bimetal.plan.calibrate import main as calibrate_main
         return calibrate_main(argv[1:])
+    if argv[:1] == ["ladder-check"]:
+        from bimetal.plan.labladder import main as ladder_check_main
+        return ladder_check_main(argv[1:])
     if argv[:1] == ["fit"]:
         from bimetal.plan.fit import main as fit_main
         return fit_main(argv[1:])
@@ -79,12 +82,22 @@ def main(argv: list[str]) -> int:
                          "sets parallel.allow_cross_vendor_dp")
     _layout_args(ap)
     a = ap.parse_args(argv)
+    written = [f"--{k.replace('_', '-')}" for k, default in _LAYOUT_DEFAULTS.items() if getattr(a, k) != default]
+    if a.config or a.ladder:
+        rung_keys = [w for w in written if w not in ("--pp", "--dp", "--tp")] if a.ladder else written
+        if rung_keys:
+            raise UserError(f"{rung_keys[0]} has no effect with --{'ladder' if a.ladder else 'config'}; drop it.")
     if a.config or a.pp or a.ladder:
         return _views(a)
+    if written:
+        raise UserError(f"{written[0]} describes one layout; add --pp (and --dp/--tp) to evaluate it, or drop it.")
     a.seq, a.global_batch = a.seq or 8192, a.global_batch or 256
     if a.model not in cost.MODELS:
         raise UserError(f"unknown model flavour {a.model!r}; pass --model one of {', '.join(cost.MODELS)}.")
     spec = load_spec(a.spec)
+    if a.profile:
+        from bimetal.plan.views import with_profiles
+        spec = with_profiles(spec, a.profile)
     ok, rejected = search(spec, a.model, a.seq, a.global_batch)
     if not ok:
         reasons = "; ".join(sorted({r.rejected for r in rejected})[:3]) or "no layout tiles the cluster"
@@ -141,6 +154,11 @@ def _write_titan(path: str, ok: list[Plan], spec: ClusterSpec, spec_path: str, q
     write_titan(path, runnable[0], cost.model_dims(runnable[0].model).layers, spec_path)
     if not quiet:
         print(f"best plan torchtitan can run (#{ok.index(runnable[0]) + 1}) written to {path}")
+
+
+_LAYOUT_DEFAULTS: dict[str, object] = {
+    "pp": None, "dp": None, "tp": 1, "dp_shard": 1, "ac": "none", "micro_batch": 1, "split": None,
+    "transport": "cpu-forward", "dp_transport": None, "homogeneous": "native", "nics": "per-gpu"}
 
 
 def _layout_args(ap: argparse.ArgumentParser) -> None:

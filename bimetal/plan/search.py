@@ -8,7 +8,9 @@ all-reduce (not overlapped with backward, a conservative choice). Each layout is
 activation checkpointing (selective every 2nd block, or full): recomputation adds a third of the forward
 and backward time of the recomputed blocks, FSDP an all-gather of the stage's bf16 weights in the forward
 and again in the backward of every microbatch (exposed where longer than the compute it overlaps) and a
-reduce-scatter in place of the all-reduce.
+reduce-scatter in place of the all-reduce. Boundary transfers (an activation and a gradient per microbatch
+and neighbour) are priced by ``bimetal.plan.hostpath``; the search tries cpu-forward and device-direct,
+``evaluate`` also prices stock Gloo on the cross-vendor groups and on the one-vendor ones (the ladder).
 """
 
 from __future__ import annotations

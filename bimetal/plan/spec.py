@@ -5,6 +5,9 @@ Each ``[[group]]`` describes identical nodes. Peak BF16 and memory default from 
 whole training layer reaches less than a bare GEMM (HARDWARE.md: ~60% MFU on H100 vs 80% GEMM ceiling).
 A group may instead name a ``profile`` (JSON from ``bimetal profile``, path relative to the spec) and a
 ``cpu_share`` (lab ranks capped to part of a core): its compute rate is then measured x share.
+Host-path keys (``tcp_conn_gbps``, ``tcp_iface_gbps``, ``host_copy_gbps``, ``msg_latency_us``) are described
+in ``bimetal.plan.hostpath``; ``bimetal plan fit`` sets them from measurements. An unknown key is refused
+with the key and the file named.
 """
 
 from __future__ import annotations

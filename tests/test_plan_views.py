@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -74,3 +75,14 @@ def test_bad_layout_is_one_sentence_and_exit_2() -> None:
                           text=True, timeout=60)
     assert proc.returncode == 2 and "does not divide the 16 GPUs" in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_profile_replaces_a_vendors_rate(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    prof = tmp_path / "amd.json"
+    prof.write_text(json.dumps({"achieved_flops": 300e12}))
+    assert main([H200, "--ladder"]) == 0
+    before = capsys.readouterr().out
+    assert main([H200, "--ladder", "--profile", f"amd={prof}"]) == 0
+    after = capsys.readouterr().out
+    mi = [float(re.search(r"one mi325x node alone:\s+(\d+)", o).group(1)) for o in (before, after)]  # type: ignore[union-attr]
+    assert mi[1] < mi[0] and _ladder(after)[5][0] < _ladder(before)[5][0]

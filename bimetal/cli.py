@@ -11,6 +11,7 @@ import sys
 from collections.abc import Callable
 
 from bimetal.errors import JobAborted, UserError
+from bimetal.supervisor import report_outcome
 
 # command -> (module, function, one-line help). Each function takes argv and returns an exit status.
 COMMANDS: dict[str, tuple[str, str, str]] = {
@@ -62,10 +63,12 @@ def main(argv: list[str] | None = None) -> int:
         module, func, _ = COMMANDS[command]
         return int(_resolve(module, func)(rest) or 0)
     except UserError as exc:
-        print(f"bimetal {command}: {exc}", file=sys.stderr)
+        if not report_outcome(2, str(exc)):  # a rank of bimetal's launcher leaves the sentence to it
+            print(f"bimetal {command}: {exc}", file=sys.stderr)
         return 2
     except JobAborted as exc:
-        print(f"bimetal {command}: {exc}", file=sys.stderr)
+        if not report_outcome(1, str(exc)):
+            print(f"bimetal {command}: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"bimetal {command}: interrupted", file=sys.stderr)

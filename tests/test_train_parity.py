@@ -48,7 +48,13 @@ def _transport_missing(name: str) -> str | None:
         mod = importlib.import_module(module)
     except ImportError as e:
         return f"{module} is not importable ({e})"
-    return None if hasattr(mod, "create_process_group") else f"{module} has no create_process_group yet"
+    if not hasattr(mod, "create_process_group"):
+        return f"{module} has no create_process_group yet"
+    if name == "device-direct":
+        from conftest import engine_unavailable
+
+        return engine_unavailable()
+    return None
 
 
 # (transport, schedule, layout) rows: cpu-forward with the demo's 1F1B, device-direct with GPipe, so each

@@ -82,6 +82,10 @@ def main(argv: list[str]) -> int:
                          "sets parallel.allow_cross_vendor_dp")
     _layout_args(ap)
     a = ap.parse_args(argv)
+    for flag, value in (("--seq", a.seq), ("--global-batch", a.global_batch), ("--top", a.top), ("--pp", a.pp),
+                        ("--dp", a.dp), ("--tp", a.tp), ("--dp-shard", a.dp_shard), ("--micro-batch", a.micro_batch)):
+        if value is not None and value < 1:
+            raise UserError(f"{flag} {value} must be a positive integer.")
     written = [f"--{k.replace('_', '-')}" for k, default in _LAYOUT_DEFAULTS.items() if getattr(a, k) != default]
     if a.config or a.ladder:
         rung_keys = [w for w in written if w not in ("--pp", "--dp", "--tp")] if a.ladder else written

@@ -1,7 +1,8 @@
 """Per-step metrics: loss, tokens/s, MFU, cross-vendor communication time and bytes.
 
-Rank 0 prints a progress line and appends one JSON object per step to ``<run_dir>/metrics.jsonl``; a resumed
-run first cuts the file back to its checkpoint's step, so replayed steps replace their records.
+Rank 0 appends one JSON object per step to ``<run_dir>/metrics.jsonl``; a resumed run first cuts the file back
+to its checkpoint's step, so replayed steps replace their records. The rank the trainer gives a ``console``
+prints the step line (``bimetal.train.console``).
 MFU needs the device's peak from ``bimetal.topology.devices``; an unknown device (CPU simulation
 included) gives ``None``, printed as ``unknown`` - never a guessed number.
 """
@@ -49,6 +50,8 @@ class StepMetrics:
         self.records: list[dict[str, Any]] = []
         self.history: list[dict[str, Any]] = []
         self.path = Path(run_dir) / "metrics.jsonl"
+        self.console: Any = None
+        """Where the step line goes (a ``bimetal.train.console.StepConsole``); the trainer sets it on one rank."""
         self._tb = None
         if rank == 0:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -78,14 +81,14 @@ class StepMetrics:
             if self._tb is not None:
                 for k in ("loss", "tokens_per_s", "lr", "grad_norm"):
                     self._tb.add_scalar(k, rec[k], step)
-            if step % self.log_every == 0:
-                mfu_s = f"{mfu * 100:.1f}%" if mfu is not None else "unknown"
-                print(f"step {step:5d} | loss {loss:.4f} | {tps:9.0f} tok/s | mfu {mfu_s} | lr {lr:.2e} | "
-                      f"xvendor {comm_s * 1e3:.0f} ms {comm_bytes / 1e6:.2f} MB", flush=True)
+        if self.console is not None:
+            self.console.show(rec)
         return rec
 
-    def summary(self, transport: str, xvendor_source: str = "none", dp_transport: str = "none") -> dict[str, Any]:
-        """Loss start/end/max, tokens/s median and spread (the first step is warm-up when there are more)."""
+    def summary(self, transport: str, xvendor_source: str = "none", dp_transport: str = "none",
+                fallback: str = "") -> dict[str, Any]:
+        """Loss start/end/max, tokens/s median and spread (the first step is warm-up when there are more);
+        ``fallback``: why the pp group runs on cpu-forward although device-direct was asked for."""
         if not self.records:
             return {}
         # The whole run: the steps before a resume or restart and this attempt's. Each attempt's first step
@@ -100,6 +103,7 @@ class StepMetrics:
                "tokens_per_s_median": statistics.median(tps), "tokens_per_s_min": min(tps),
                "tokens_per_s_max": max(tps), "tokens_per_s_stdev": statistics.pstdev(tps),
                "mfu_median": statistics.median(mfus) if mfus else None, "pp_transport": transport,
+               "pp_transport_fallback": fallback or None,
                "dp_cross_vendor_transport": dp_transport,
                "xvendor_bytes": sum(r["xvendor_bytes"] for r in records),
                "xvendor_comm_s": sum(r["xvendor_comm_s"] for r in records), "xvendor_source": xvendor_source,
@@ -142,7 +146,8 @@ def format_summary(s: dict[str, Any]) -> str:
         ("tokens/s", f"{s['tokens_per_s_median']:.0f} median, {s['tokens_per_s_min']:.0f}..{s['tokens_per_s_max']:.0f}"
                      f" range, {s['tokens_per_s_stdev']:.0f} stdev"),
         ("mfu", mfu),
-        ("pp transport", s["pp_transport"]),
+        ("pp transport", s["pp_transport"] + (f" (device-direct fell back: {s['pp_transport_fallback']})"
+                                               if s.get("pp_transport_fallback") else "")),
         *([("dp transport", s["dp_cross_vendor_transport"] + ", across vendors")]
           if s.get("dp_cross_vendor_transport", "none") != "none" else []),
         ("cross-vendor", f"{s['xvendor_bytes'] / 1e6:.1f} MB moved (all ranks, {s['xvendor_source']}), "

@@ -23,8 +23,10 @@ import torch.nn.functional as F
 
 from bimetal import faults
 from bimetal.errors import JobAborted, UserError
+from bimetal.supervisor import report_step
 from bimetal.train import checkpoint
 from bimetal.train.config import TrainConfig
+from bimetal.train.console import StepConsole
 from bimetal.train.data import TokenStream, load_tokens
 from bimetal.train.export import export_model
 from bimetal.train.metrics import StepMetrics, cluster_peak_flops
@@ -184,7 +186,8 @@ def _run(cfg: TrainConfig, ctx: Any, models: Any, args: Any, split: list[int], t
         apply_tp(model, mesh)
     opt = build_optimizer(model, cfg.optim)
     sched = build_scheduler(opt, cfg.optim, cfg.training.steps)
-    stream = TokenStream(tokens, cfg.data.seq_len, cfg.data.batch_size, dp_rank, dp_size, cfg.training.seed)
+    stream = TokenStream(tokens, cfg.data.seq_len, cfg.data.batch_size, dp_rank, dp_size, cfg.training.seed,
+                         vocab_size=args.vocab_size)
     n_mb = cfg.parallel.microbatches
     mb, seq = cfg.data.batch_size // n_mb, cfg.data.seq_len
     runner = None
@@ -220,6 +223,9 @@ def _run(cfg: TrainConfig, ctx: Any, models: Any, args: Any, split: list[int], t
         torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"]
     metrics = StepMetrics(cfg.metrics.run_dir, rank, float(args.flops_per_token(seq)), cluster_peak_flops(devices),
                           cfg.metrics.log_every, cfg.metrics.tensorboard, start_step=start)
+    # one step line per job: the last stage's first replica, whose step ends last
+    if rank == (ctx.layout.mesh[-1][0][0] if ctx else 0):
+        metrics.console = StepConsole(cfg.training.steps, start, cfg.metrics.log_every)
     meter = _XvendorMeter(ctx, runner)
     pp_name = ctx.my_group_name("pp") if ctx else None
     dp_name = ctx.my_group_name("dp") if ctx else None
@@ -271,11 +277,15 @@ def _run(cfg: TrainConfig, ctx: Any, models: Any, args: Any, split: list[int], t
                             writer=dp_rank == 0 and (ctx is None or ctx.tp_rank == 0))
             if rank == 0:
                 checkpoint.prune(folder, cfg.checkpoint.keep_last)
+        report_step(step + 1)  # for the launcher's sentence if this rank dies; no-op outside bimetal's launcher
         faults.after_step(rank, step + 1)  # fault injection for the reliability tests; no-op unless configured
     if cfg.checkpoint.export_hf:
         export_model(model, family, args, split, ctx, cfg.checkpoint.export_hf)
-    transport = ctx.spec(ctx.my_group_name("pp")).backend if runner is not None else "none"
+    # the transports as built (a device-direct group that fell back reports cpu-forward and why)
+    transport = ctx.built_backend(pp_name) if runner is not None else "none"
     dp_x = "none"
     if meter.dp:
-        dp_x = ctx.spec(ctx.my_group_name("dp")).backend + (" (hierarchical)" if ctx.hierarchical else " (flat)")
-    return metrics.summary(transport, meter.source if meter.active else "none", dp_x)
+        dp_x = ctx.built_backend(dp_name) + (" (hierarchical)" if ctx.hierarchical else " (flat)")
+    summary = metrics.summary(transport, meter.source if meter.active else "none", dp_x,
+                              fallback=ctx.fallbacks.get(pp_name or "", "") if ctx else "")
+    return summary

@@ -2,7 +2,10 @@
 
 * homogeneous groups (one vendor) -> the vendor's native library: ``nccl`` on GPUs (ROCm torch maps it to
   RCCL), ``bimetal_sim_native`` under simulation (Gloo that refuses mixed vendors, as NCCL/RCCL would);
-* cross-vendor groups -> a bimetal transport chosen per axis (``cpu-forward`` or ``device-direct``).
+* cross-vendor groups -> a bimetal transport chosen per axis (``cpu-forward``, ``device-direct`` or ``gloo``).
+
+``transports["homogeneous"] = "gloo"`` puts the one-vendor groups on stock Gloo as well (every group on Gloo,
+the baseline bimetal is compared with); the default ``native`` keeps them on the vendor library.
 
 A data-parallel group that spans vendors also gets the groups its hierarchical all-reduce needs: one native
 group per vendor island inside it, and cross-island groups that join the ranks holding the same shard.
@@ -25,6 +28,7 @@ from bimetal.topology.records import ClusterView, format_rows
 
 TRANSPORTS = {"cpu-forward": CPU_FORWARD, "device-direct": DEVICE_DIRECT, "gloo": "gloo"}
 AXES = ("pp", "dp")
+HOMOGENEOUS = ("native", "gloo")
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,10 @@ def resolve_transports(transports: dict[str, str] | None) -> dict[str, str]:
     """Map axis -> torch back-end name for cross-vendor groups; ``UserError`` on unknown names."""
     chosen = {"pp": "cpu-forward", "dp": "cpu-forward"}
     for axis, name in (transports or {}).items():
+        if axis == "homogeneous":
+            if name not in HOMOGENEOUS:
+                raise UserError(f"unknown back-end {name!r} for one-vendor groups; use one of {', '.join(HOMOGENEOUS)}")
+            continue
         if axis not in AXES:
             raise UserError(f"unknown parallel axis {axis!r} for a transport; use one of {', '.join(AXES)}")
         if name not in TRANSPORTS:
@@ -70,6 +78,7 @@ def plan_groups(
 ) -> list[GroupSpec]:
     """All groups of the layout (size > 1), in the order every rank must create them."""
     backends = resolve_transports(transports)
+    all_gloo = (transports or {}).get("homogeneous", "native") == "gloo"
     specs: list[GroupSpec] = []
 
     def add(name: str, axis: str, ranks: tuple[int, ...], cross_axis: str) -> None:
@@ -77,7 +86,10 @@ def plan_groups(
             return
         vendors = tuple(view.vendor_of(r) for r in ranks)
         kind = classify(vendors)
-        backend = backends[cross_axis] if kind == "cross-vendor" else native_backend(vendors[0], simulated)
+        if kind == "cross-vendor":
+            backend = backends[cross_axis]
+        else:
+            backend = "gloo" if all_gloo else native_backend(vendors[0], simulated)
         specs.append(GroupSpec(name, axis, ranks, vendors, kind, backend))
 
     dims = layout.dims

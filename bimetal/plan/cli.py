@@ -1,4 +1,5 @@
-"""`bimetal plan`: rank layouts for a cluster spec; `bimetal profile` entry point."""
+"""`bimetal plan`: rank layouts for a cluster spec, evaluate one layout (``--pp ...`` or ``--config``), or
+price the compatibility ladder (``--ladder``); `bimetal profile` entry point."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ def plan_to_train_config(p: Plan, spec: ClusterSpec | None = None) -> dict[str, 
     m = cost.model_dims(p.model)
     parallel: dict[str, object] = {
         "pp": p.pp, "dp": p.dp, "tp": p.tp, "dp_shard": p.dp_shard, "layers_per_stage": p.layer_split,
-        "schedule": "1f1b", "microbatches": p.microbatches, "pp_transport": p.transport}
+        "schedule": "1f1b", "microbatches": p.microbatches, "pp_transport": p.transport,
+        "dp_transport": p.dp_transport or p.transport, "homogeneous_backend": p.homogeneous}
     if spec is not None:
         parallel["cluster"] = spec.path
         if spans_vendors(p, spec):
@@ -54,12 +56,20 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["calibrate"]:
         from bimetal.plan.calibrate import main as calibrate_main
         return calibrate_main(argv[1:])
+    if argv[:1] == ["ladder-check"]:
+        from bimetal.plan.labladder import main as ladder_check_main
+        return ladder_check_main(argv[1:])
+    if argv[:1] == ["fit"]:
+        from bimetal.plan.fit import main as fit_main
+        return fit_main(argv[1:])
     ap = argparse.ArgumentParser(prog="bimetal plan", description=__doc__,
-                                 epilog="`bimetal plan calibrate --lab LAB` compares predictions with the lab.")
+                                 epilog="`bimetal plan calibrate --lab LAB` compares predictions with the lab; "
+                                        "`bimetal plan fit SPEC --bench-comm JSON --out NEW` sets a spec's host-path "
+                                        "constants from measurements.")
     ap.add_argument("spec", help="cluster spec TOML (see configs/clusters/)")
     ap.add_argument("--model", default="llama3-8b", help=f"model flavour: {', '.join(cost.MODELS)}")
-    ap.add_argument("--seq", type=int, default=8192)
-    ap.add_argument("--global-batch", type=int, default=256, help="sequences per optimizer step")
+    ap.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 8192)")
+    ap.add_argument("--global-batch", type=int, default=None, help="sequences per optimizer step (default 256)")
     ap.add_argument("--top", type=int, default=10)
     ap.add_argument("--json", action="store_true", help="machine-readable output")
     ap.add_argument("--write", metavar="PATH", help="write the best plan as a `bimetal train` config TOML")
@@ -70,13 +80,28 @@ def main(argv: list[str]) -> int:
                     help="--write may choose a plan whose data-parallel groups span vendors (pp=1 on a mixed "
                          "cluster; FSDP shards stay inside each island, replicas cross vendors); the config then "
                          "sets parallel.allow_cross_vendor_dp")
+    _layout_args(ap)
     a = ap.parse_args(argv)
-    for flag, value in (("--seq", a.seq), ("--global-batch", a.global_batch), ("--top", a.top)):
-        if value < 1:
+    for flag, value in (("--seq", a.seq), ("--global-batch", a.global_batch), ("--top", a.top), ("--pp", a.pp),
+                        ("--dp", a.dp), ("--tp", a.tp), ("--dp-shard", a.dp_shard), ("--micro-batch", a.micro_batch)):
+        if value is not None and value < 1:
             raise UserError(f"{flag} {value} must be a positive integer.")
+    written = [f"--{k.replace('_', '-')}" for k, default in _LAYOUT_DEFAULTS.items() if getattr(a, k) != default]
+    if a.config or a.ladder:
+        rung_keys = [w for w in written if w not in ("--pp", "--dp", "--tp")] if a.ladder else written
+        if rung_keys:
+            raise UserError(f"{rung_keys[0]} has no effect with --{'ladder' if a.ladder else 'config'}; drop it.")
+    if a.config or a.pp or a.ladder:
+        return _views(a)
+    if written:
+        raise UserError(f"{written[0]} describes one layout; add --pp (and --dp/--tp) to evaluate it, or drop it.")
+    a.seq, a.global_batch = a.seq or 8192, a.global_batch or 256
     if a.model not in cost.MODELS:
         raise UserError(f"unknown model flavour {a.model!r}; pass --model one of {', '.join(cost.MODELS)}.")
     spec = load_spec(a.spec)
+    if a.profile:
+        from bimetal.plan.views import with_profiles
+        spec = with_profiles(spec, a.profile)
     ok, rejected = search(spec, a.model, a.seq, a.global_batch)
     if not ok:
         reasons = "; ".join(sorted({r.rejected for r in rejected})[:3]) or "no layout tiles the cluster"
@@ -133,3 +158,82 @@ def _write_titan(path: str, ok: list[Plan], spec: ClusterSpec, spec_path: str, q
     write_titan(path, runnable[0], cost.model_dims(runnable[0].model).layers, spec_path)
     if not quiet:
         print(f"best plan torchtitan can run (#{ok.index(runnable[0]) + 1}) written to {path}")
+
+
+_LAYOUT_DEFAULTS: dict[str, object] = {
+    "pp": None, "dp": None, "tp": 1, "dp_shard": 1, "ac": "none", "micro_batch": 1, "split": None,
+    "transport": "cpu-forward", "dp_transport": None, "homogeneous": "native", "nics": "per-gpu"}
+
+
+def _layout_args(ap: argparse.ArgumentParser) -> None:
+    from bimetal.plan.hostpath import NIC_MODES, TRANSPORTS
+    from bimetal.plan.search import AC_MODES
+
+    g = ap.add_argument_group("one layout (instead of the search)")
+    g.add_argument("--pp", type=int, help="pipeline stages; evaluates this layout and prints the baselines")
+    g.add_argument("--dp", type=int, default=None)
+    g.add_argument("--tp", type=int, default=1)
+    g.add_argument("--dp-shard", type=int, default=1)
+    g.add_argument("--ac", choices=AC_MODES, default="none", help="activation checkpointing")
+    g.add_argument("--micro-batch", type=int, default=1)
+    g.add_argument("--split", help="layers per stage, e.g. 17,15 (default: the balanced split)")
+    g.add_argument("--transport", choices=TRANSPORTS, default="cpu-forward", help="cross-vendor pipeline groups")
+    g.add_argument("--dp-transport", choices=TRANSPORTS, default=None,
+                   help="cross-vendor parts of data-parallel groups (default: --transport)")
+    g.add_argument("--homogeneous", choices=("native", "gloo"), default="native",
+                   help="back-end of one-vendor groups (gloo: every group on Gloo)")
+    g.add_argument("--nics", choices=NIC_MODES, default="per-gpu", help="NICs a boundary pair uses")
+    g.add_argument("--config", metavar="TRAIN.toml", help="evaluate the layout of a `bimetal train` config")
+    g.add_argument("--ladder", action="store_true",
+                   help="price all-Gloo / Gloo pp on 1 NIC / Gloo pp NIC per GPU / cpu-forward / device-direct")
+    g.add_argument("--profile", action="append", default=[], metavar="VENDOR=FILE",
+                   help="per-vendor compute rate from a `bimetal profile` file (repeatable)")
+
+
+def _views(a: argparse.Namespace) -> int:
+    from bimetal.plan.search import evaluate
+    from bimetal.plan.views import ladder, layout_from_config, show_plan, with_profiles
+
+    spec = load_spec(a.spec)
+    if a.profile:
+        spec = with_profiles(spec, a.profile)
+    if a.config and (a.pp or a.ladder or a.seq or a.global_batch):
+        raise UserError("--config gives the layout, sequence length and batch; "
+                        "drop --pp/--ladder/--seq/--global-batch.")
+    if a.config:
+        lay = layout_from_config(a.config)
+    else:
+        if a.model not in cost.MODELS:
+            raise UserError(f"unknown model flavour {a.model!r}; pass --model one of {', '.join(cost.MODELS)}.")
+        seq, gb = a.seq or 8192, a.global_batch or 256
+        if a.ladder:
+            layout = (a.pp, a.dp or spec.total_gpus // (a.pp * a.tp), a.tp) if a.pp else None
+            print(ladder(spec, a.model, seq, gb, layout))
+            return 0
+        try:
+            split = [int(x) for x in a.split.split(",")] if a.split else None
+        except ValueError:
+            raise UserError(f"--split {a.split!r} must be comma-separated layer counts, e.g. 17,15.") from None
+        if a.dp is None and spec.total_gpus % (a.pp * a.tp):
+            raise UserError(f"pp={a.pp} x tp={a.tp} does not divide the {spec.total_gpus} GPUs of {a.spec}; "
+                            "pass --dp or other degrees.")
+        dp = a.dp or spec.total_gpus // (a.pp * a.tp)
+        lay = {"model": a.model, "seq": seq, "pp": a.pp, "dp": dp, "tp": a.tp, "dp_shard": a.dp_shard,
+               "split": split, "micro_batch": a.micro_batch, "global_batch": gb, "transport": a.transport,
+               "dp_transport": a.dp_transport or a.transport, "homogeneous": a.homogeneous, "ac": a.ac}
+    m = cost.model_dims(lay["model"])
+    split = lay["split"]
+    if split and (len(split) != lay["pp"] or sum(split) != m.layers or min(split) < 1):
+        raise UserError(f"split {split} must give each of the {lay['pp']} stages at least one layer, "
+                        f"{m.layers} in all for {lay['model']}.")
+    if lay["global_batch"] % (lay["dp"] * lay["micro_batch"]):
+        raise UserError(f"global batch {lay['global_batch']} is not a multiple of dp x micro-batch "
+                        f"({lay['dp']} x {lay['micro_batch']}).")
+    p = evaluate(spec, lay["model"], lay["seq"], lay["global_batch"], lay["pp"], lay["dp"], lay["tp"],
+                 lay["micro_batch"], lay["transport"], split, lay["dp_shard"], lay["ac"],
+                 dp_transport=lay["dp_transport"], homogeneous=lay["homogeneous"], nics=a.nics)
+    if p is None:
+        raise UserError(f"pp={lay['pp']} x dp={lay['dp']} x tp={lay['tp']} does not tile {a.spec} "
+                        f"({spec.total_gpus} GPUs, stages one vendor each, tp inside a node, dp_shard dividing dp).")
+    print(show_plan(spec, p, lay["global_batch"]))
+    return 0

@@ -1,4 +1,4 @@
-"""Cost model terms: FLOPs, per-layer time, boundary transfers, all-reduce, bubble and memory.
+"""Cost model terms: FLOPs, per-layer time, all-reduce, bubble and memory (transfers: ``hostpath``).
 
 FLOPs follow torchtitan: 6*N' + 12*L*d*s per token (N' excludes the input embedding, the attention
 term is not halved for the causal mask). Memory (``stage_memory``) is the trainer's, term for term: the
@@ -16,8 +16,6 @@ from dataclasses import dataclass
 
 BYTES_PER_PARAM = 16
 ACT_BYTES_PER_TOKEN_HIDDEN = 34
-CHUNKS = 8
-"""Chunks a cpu-forward transfer is split into when D2H, network and H2D overlap."""
 
 
 @dataclass(frozen=True)
@@ -98,42 +96,11 @@ def bubble_fraction(stages: int, microbatches: int) -> float:
     return (stages - 1) / (microbatches + stages - 1)
 
 
-def transfer_seconds(nbytes: float, transport: str, net_gbps: float, d2h_gbps: float, h2d_gbps: float,
-                     overlap: bool = True) -> float:
-    """One boundary transfer. net_gbps is the network rate in GB/s over the NICs actually used.
-
-    cpu-forward stages through host memory (D2H, network, H2D); with chunk overlap the three stages
-    pipeline so the slowest dominates plus one chunk of the others. device-direct is the network only.
-    """
-    net = nbytes / (net_gbps * 1e9)
-    if transport == "device-direct":
-        return net
-    if transport != "cpu-forward":
-        raise ValueError(f"unknown transport {transport!r}")
-    parts = [nbytes / (d2h_gbps * 1e9), net, nbytes / (h2d_gbps * 1e9)]
-    if not overlap:
-        return sum(parts)
-    return max(parts) + (sum(parts) - max(parts)) / CHUNKS
-
-
 def ring_allreduce_seconds(nbytes: float, n: int, busbw_gbps: float) -> float:
     """Ring all-reduce: S*2(n-1)/n / bus bandwidth."""
     if n <= 1:
         return 0.0
     return nbytes * 2 * (n - 1) / n / (busbw_gbps * 1e9)
-
-
-def hierarchical_allreduce_seconds(nbytes: float, local: int, groups: int, local_gbps: float,
-                                   cross_seconds_per_byte: float) -> float:
-    """Reduce-scatter inside each vendor group, all-reduce of the 1/local shard across groups, all-gather.
-
-    cross_seconds_per_byte is the cost of moving one byte between groups (network, plus staging for
-    cpu-forward); the cross step is a ring over ``groups`` members.
-    """
-    inner = ring_allreduce_seconds(nbytes, local, local_gbps)  # reduce-scatter + all-gather together
-    shard = nbytes / max(local, 1)
-    cross = shard * 2 * (groups - 1) / groups * cross_seconds_per_byte if groups > 1 else 0.0
-    return inner + cross
 
 
 def block_saved_bytes(m: ModelDims, tokens: int, tp: int, bf16: bool = True) -> int:

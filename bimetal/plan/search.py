@@ -8,7 +8,9 @@ all-reduce (not overlapped with backward, a conservative choice). Each layout is
 activation checkpointing (selective every 2nd block, or full): recomputation adds a third of the forward
 and backward time of the recomputed blocks, FSDP an all-gather of the stage's bf16 weights in the forward
 and again in the backward of every microbatch (exposed where longer than the compute it overlaps) and a
-reduce-scatter in place of the all-reduce.
+reduce-scatter in place of the all-reduce. Boundary transfers (an activation and a gradient per microbatch
+and neighbour) are priced by ``bimetal.plan.hostpath``; the search tries cpu-forward and device-direct,
+``evaluate`` also prices stock Gloo on the cross-vendor groups and on the one-vendor ones (the ladder).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field, replace
 
-from bimetal.plan import cost
+from bimetal.plan import cost, hostpath
 from bimetal.plan.spec import ClusterSpec, NodeGroup
 
 TRANSPORTS = ("cpu-forward", "device-direct")
@@ -55,6 +57,12 @@ class Plan:
     ac: str = "none"
     """Activation checkpointing: none, selective (every ``ac_every``-th block) or full."""
     ac_every: int = 2
+    dp_transport: str = ""
+    """Transport of the cross-vendor parts of data-parallel groups; empty: the pipeline ``transport``."""
+    homogeneous: str = "native"
+    """Back-end of one-vendor groups: ``native`` (NCCL/RCCL) or ``gloo`` (with gloo transports: all Gloo)."""
+    nics: str = "per-gpu"
+    """NICs a boundary pair's TCP or RDMA traffic uses: ``shared``, ``per-gpu`` or ``striped``."""
 
     @property
     def gpus(self) -> int:
@@ -107,9 +115,14 @@ def _net_gbps(g: NodeGroup, ranks_per_node: int) -> float:
 
 def evaluate(spec: ClusterSpec, model: str, seq: int, global_batch: int, pp: int, dp: int, tp: int,
              micro_batch: int, transport: str, split: list[int] | None = None, dp_shard: int = 1,
-             ac: str = "none", bf16: bool = True) -> Plan | None:
+             ac: str = "none", bf16: bool = True, dp_transport: str = "", homogeneous: str = "native",
+             nics: str = "per-gpu") -> Plan | None:
     """Predict one layout; None when the degrees do not tile the cluster. A plan over memory is returned
-    with ``rejected`` set. ``bf16``: autocast compute (what plans are written for); False sizes float32."""
+    with ``rejected`` set. ``bf16``: autocast compute (what plans are written for); False sizes float32.
+
+    ``transport`` carries cross-vendor pipeline boundaries, ``dp_transport`` (default: the same) the
+    cross-vendor parts of data-parallel groups; ``homogeneous="gloo"`` puts one-vendor pp and dp groups
+    on stock Gloo too (tp groups stay native). ``nics``: see ``bimetal.plan.hostpath``."""
     m = cost.model_dims(model)
     if pp > m.layers or global_batch % (dp * micro_batch) or dp % dp_shard:
         return None
@@ -138,7 +151,8 @@ def evaluate(spec: ClusterSpec, model: str, seq: int, global_batch: int, pp: int
     tokens = micro_batch * seq
     layers = split or list(_balanced(m, tuple(stage_groups), tp, tokens, seq))
     plan = Plan(model, seq, pp, dp, tp, micro_batch, mbs, transport, layers, [g.name for g in stage_groups],
-                dp_shard=dp_shard, ac=ac)
+                dp_shard=dp_shard, ac=ac, dp_transport=dp_transport or transport, homogeneous=homogeneous,
+                nics=nics)
     act = cost.activation_bytes(micro_batch, seq, m.dim) / tp
     for j, g in enumerate(stage_groups):
         compute = _stage_time(m, g, layers[j], j == pp - 1, tp, tokens, seq)
@@ -146,21 +160,20 @@ def evaluate(spec: ClusterSpec, model: str, seq: int, global_batch: int, pp: int
         compute += _stage_time(m, g, ckpt, False, tp, tokens, seq) / 3  # recompute: one more forward
         plan.stage_compute.append(compute)
         comm = _fsdp_gather_seconds(m, g, plan, j, compute)
-        for nb in (j - 1, j + 1):  # activation in / out and its gradient, one per microbatch each
+        for nb in (j - 1, j + 1):  # per microbatch and neighbour: an activation and a gradient, one each way
             if 0 <= nb < pp:
                 other = stage_groups[nb]
                 # Neighbouring stages of one group share a node unless the boundary falls on a node edge.
                 same_node = (other is g and width < g.gpus_per_node
                              and (min(j, nb) + 1) * width % g.gpus_per_node != 0)
-                if same_node:
-                    comm += act / (g.intra_gbps * 1e9)
+                pairs = min(width, g.gpus_per_node, other.gpus_per_node)
+                if other.vendor == g.vendor and homogeneous == "gloo":
+                    comm += 2 * hostpath.pair_transfer_seconds(act, "gloo", g, other, nics, pairs)
+                elif same_node:
+                    comm += 2 * act / (g.intra_gbps * 1e9)
                 else:
                     tr = transport if other.vendor != g.vendor else "device-direct"
-                    if tr == "device-direct" and not (g.gpudirect and other.gpudirect):
-                        tr = "cpu-forward"
-                    net = min(_net_gbps(g, min(width, g.gpus_per_node)),
-                              _net_gbps(other, min(width, other.gpus_per_node)))
-                    comm += cost.transfer_seconds(act, tr, net, g.h2d_gbps, other.h2d_gbps)
+                    comm += 2 * hostpath.pair_transfer_seconds(act, _usable(tr, g, other), g, other, nics, pairs)
         plan.stage_comm.append(comm)
         in_flight = min(mbs, pp - j)
         mem = cost.stage_memory_bytes(m, layers[j], j == 0, j == pp - 1, tp, micro_batch, seq, in_flight,
@@ -176,12 +189,17 @@ def evaluate(spec: ClusterSpec, model: str, seq: int, global_batch: int, pp: int
         per_layer = 4 * cost.ring_allreduce_seconds(full, tp, g0.intra_gbps)
         plan.tp_comm = per_layer * max(layers)
     slot = max(c + x for c, x in zip(plan.stage_compute, plan.stage_comm)) + plan.tp_comm
-    plan.dp_allreduce = _dp_allreduce(spec, m, plan, stage_groups, transport)
+    plan.dp_allreduce = _dp_allreduce(spec, m, plan, stage_groups)
     plan.step_seconds = (mbs + pp - 1) * slot + plan.dp_allreduce
     plan.tokens_per_s = global_batch * seq / plan.step_seconds
     plan.tflops_per_gpu = plan.tokens_per_s * cost.flops_per_token(m, seq) / plan.gpus / 1e12
     plan.bottleneck = _bottleneck(plan)
     return plan
+
+
+def _usable(transport: str, a: NodeGroup, b: NodeGroup) -> str:
+    """device-direct needs GPUDirect RDMA on both ends; otherwise the pair falls back to cpu-forward."""
+    return "cpu-forward" if transport == "device-direct" and not (a.gpudirect and b.gpudirect) else transport
 
 
 def _stage_params(m: cost.ModelDims, plan: Plan, j: int) -> int:
@@ -200,26 +218,44 @@ def _fsdp_gather_seconds(m: cost.ModelDims, g: NodeGroup, plan: Plan, j: int, co
         return 0.0
     nbytes = 2 * _stage_params(m, plan, j) / plan.tp
     n = plan.dp_shard
+    if plan.homogeneous == "gloo":  # an all-gather is half a Gloo all-reduce, forward and backward: one whole
+        return max(0.0, hostpath.gloo_allreduce_seconds(nbytes, g, n, g.gpus_per_node // plan.tp,
+                                                        n * plan.tp > g.gpus_per_node) - compute)
     gather = 2 * nbytes * (n - 1) / n / (_dp_bw(g, plan, n) * 1e9)
     return max(0.0, gather - compute)
 
 
-def _dp_allreduce(spec: ClusterSpec, m: cost.ModelDims, plan: Plan, groups: list[NodeGroup], transport: str) -> float:
+def _dp_allreduce(spec: ClusterSpec, m: cost.ModelDims, plan: Plan, groups: list[NodeGroup]) -> float:
     if plan.dp == 1:
         return 0.0
+    gloo = plan.homogeneous == "gloo"
     if plan.pp == 1:  # hierarchical across vendor groups, gradients in bf16
         nbytes = 2 * m.params / plan.tp
         local = min(g.gpus // plan.tp for g in spec.groups)
+        if len(spec.groups) == 1 and gloo:
+            g = spec.groups[0]
+            return hostpath.gloo_allreduce_seconds(nbytes, g, plan.dp, g.gpus_per_node // plan.tp, g.count > 1)
+        if len(spec.groups) == 1:  # one island: the ring inside it (the planner's homogeneous reference)
+            return cost.ring_allreduce_seconds(nbytes, local, spec.groups[0].intra_gbps)
         slow = min(spec.groups, key=lambda g: g.intra_gbps)
-        net = min(_net_gbps(g, g.gpus_per_node) for g in spec.groups) * local
-        per_byte = 1 / (net * 1e9)
-        if transport == "cpu-forward":
-            per_byte += 1 / (min(g.h2d_gbps for g in spec.groups) * 1e9) * 2 / cost.CHUNKS
-        return cost.hierarchical_allreduce_seconds(nbytes, local, len(spec.groups), slow.intra_gbps, per_byte)
+        if gloo:
+            inner = max(hostpath.gloo_allreduce_seconds(nbytes, g, local, g.gpus_per_node, g.count > 1)
+                        for g in spec.groups)
+        else:
+            inner = cost.ring_allreduce_seconds(nbytes, local, slow.intra_gbps)
+        # Cross step: island rank i exchanges its 1/local shard with rank i of the other islands, all at once.
+        a, b = spec.groups[0], spec.groups[1]
+        cross_bytes = nbytes / local * 2 * (len(spec.groups) - 1) / len(spec.groups)
+        pairs = min(a.gpus_per_node, b.gpus_per_node, local)
+        tr = _usable(plan.dp_transport, a, b)
+        return inner + hostpath.pair_transfer_seconds(cross_bytes, tr, a, b, plan.nics, pairs)
     worst = 0.0
     for j, g in enumerate(groups):
         nbytes = 2 * _stage_params(m, plan, j) / plan.tp
-        if plan.dp_shard == 1:
+        if gloo:  # stock Gloo: copy to host, ring over TCP, copy back (FSDP's collectives move the same bytes)
+            t = hostpath.gloo_allreduce_seconds(nbytes, g, plan.dp, g.gpus_per_node // plan.tp,
+                                                plan.dp * plan.tp > g.gpus_per_node)
+        elif plan.dp_shard == 1:
             t = cost.ring_allreduce_seconds(nbytes, plan.dp, _dp_bw(g, plan, plan.dp))
         else:  # reduce-scatter (half a ring all-reduce) in the shard group, all-reduce of a shard over replicas
             t = cost.ring_allreduce_seconds(nbytes, plan.dp_shard, _dp_bw(g, plan, plan.dp_shard)) / 2
@@ -269,6 +305,7 @@ def search(spec: ClusterSpec, model: str, seq: int, global_batch: int) -> tuple[
                     for shard in shard_degrees(spec, pp, dp, tp):
                         for ac in AC_MODES:
                             p = evaluate(spec, model, seq, global_batch, pp, dp, tp, b, tr, dp_shard=shard, ac=ac)
+                            # (gloo and homogeneous="gloo" are priced by evaluate but never searched: never faster)
                             if p is None:
                                 continue
                             (rejected if p.rejected else ok).append(p)

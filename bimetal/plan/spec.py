@@ -5,6 +5,9 @@ Each ``[[group]]`` describes identical nodes. Peak BF16 and memory default from 
 whole training layer reaches less than a bare GEMM (HARDWARE.md: ~60% MFU on H100 vs 80% GEMM ceiling).
 A group may instead name a ``profile`` (JSON from ``bimetal profile``, path relative to the spec) and a
 ``cpu_share`` (lab ranks capped to part of a core): its compute rate is then measured x share.
+Host-path keys (``tcp_conn_gbps``, ``tcp_iface_gbps``, ``host_copy_gbps``, ``msg_latency_us``) are described
+in ``bimetal.plan.hostpath``; ``bimetal plan fit`` sets them from measurements. An unknown key is refused
+with the key and the file named.
 """
 
 from __future__ import annotations
@@ -37,6 +40,14 @@ class NodeGroup:
     intra_gbps: float
     """Intra-node GPU-GPU (all-reduce bus) bandwidth, GB/s."""
     gpudirect: bool
+    tcp_conn_gbps: float = 2.0
+    """GB/s one TCP connection reaches (HARDWARE.md: Gloo over TCP ~1-2.4 GB/s per connection)."""
+    tcp_iface_gbps: float = float("inf")
+    """GB/s the TCP stack moves through one interface, all its connections together (default: line rate)."""
+    host_copy_gbps: float = float("inf")
+    """Host memory bandwidth the node's concurrent staging copies share (default: gpus_per_node x h2d_gbps)."""
+    msg_latency_us: float = 30.0
+    """Per-message cost of the TCP path, microseconds."""
 
     @property
     def gpus(self) -> int:
@@ -57,6 +68,12 @@ class ClusterSpec:
     @property
     def total_gpus(self) -> int:
         return sum(g.gpus for g in self.groups)
+
+
+GROUP_KEYS = frozenset({
+    "name", "count", "vendor", "gpu", "gpus_per_node", "peak_bf16_tflops", "memory_gb", "efficiency", "profile",
+    "cpu_share", "nics_per_node", "nic_gbps", "h2d_gbps", "intra_gbps", "gpudirect", "tcp_conn_gbps",
+    "tcp_iface_gbps", "host_copy_gbps", "msg_latency_us"})
 
 
 def _get(table: dict[str, Any], key: str, kind: type, where: str, default: Any = None) -> Any:
@@ -80,9 +97,15 @@ def parse_spec(data: dict[str, Any], path: str) -> ClusterSpec:
     raw = data.get("group")
     if not isinstance(raw, list) or not raw:
         raise UserError(f"{path}: key 'group' missing; define at least one [[group]] table.")
+    extra = sorted(set(data) - {"group"})
+    if extra:
+        raise UserError(f"{path}: unknown key '{extra[0]}'; a cluster spec holds only [[group]] tables.")
     groups = []
     for i, t in enumerate(raw):
         where = f"{path}: group[{i}]"
+        unknown = sorted(set(t) - GROUP_KEYS)
+        if unknown:
+            raise UserError(f"{where}: unknown key '{unknown[0]}'; known keys: {', '.join(sorted(GROUP_KEYS))}.")
         vendor = _get(t, "vendor", str, where)
         if vendor not in ("nvidia", "amd", "cpu"):
             raise UserError(f"{where}: key 'vendor' must be 'nvidia', 'amd' or 'cpu', got {vendor!r}.")
@@ -108,13 +131,18 @@ def parse_spec(data: dict[str, Any], path: str) -> ClusterSpec:
         if dev is None and "memory_gb" not in t:
             raise UserError(f"{where}: key 'memory_gb' missing for {gpu!r}, which is not in the device table.")
         mem = _get(t, "memory_gb", float, where, dev.memory_gb if dev else None)
+        nics, nic_gbps = _get(t, "nics_per_node", int, where), _get(t, "nic_gbps", float, where)
+        gpn, h2d = _get(t, "gpus_per_node", int, where), _get(t, "h2d_gbps", float, where, 50.0)
         groups.append(NodeGroup(
             name=str(t.get("name", f"{vendor}{i}")), count=_get(t, "count", int, where, 1), vendor=vendor,
-            gpu=dev.name if dev else gpu, gpus_per_node=_get(t, "gpus_per_node", int, where),
+            gpu=dev.name if dev else gpu, gpus_per_node=gpn,
             peak_flops=peak, memory_bytes=int(mem * 1e9), efficiency=eff,
-            nics_per_node=_get(t, "nics_per_node", int, where), nic_gbps=_get(t, "nic_gbps", float, where),
-            h2d_gbps=_get(t, "h2d_gbps", float, where, 50.0), intra_gbps=_get(t, "intra_gbps", float, where),
-            gpudirect=bool(t.get("gpudirect", False))))
+            nics_per_node=nics, nic_gbps=nic_gbps, h2d_gbps=h2d, intra_gbps=_get(t, "intra_gbps", float, where),
+            gpudirect=bool(t.get("gpudirect", False)),
+            tcp_conn_gbps=_get(t, "tcp_conn_gbps", float, where, 2.0),
+            tcp_iface_gbps=_get(t, "tcp_iface_gbps", float, where, nic_gbps / 8),
+            host_copy_gbps=_get(t, "host_copy_gbps", float, where, gpn * h2d),
+            msg_latency_us=_get(t, "msg_latency_us", float, where, 30.0)))
     return ClusterSpec(path=path, groups=tuple(groups))
 
 

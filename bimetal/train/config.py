@@ -48,6 +48,9 @@ class ParallelConfig:
     """Transport of the pipeline group: ``cpu-forward``, ``device-direct`` or ``gloo``."""
     dp_transport: str = "gloo"
     """Transport of the data-parallel groups."""
+    homogeneous_backend: str = "native"
+    """Back-end of one-vendor groups: ``native`` (NCCL/RCCL) or ``gloo`` (with ``pp_transport`` and
+    ``dp_transport`` set to ``gloo``: every group on stock Gloo, the baseline ``bimetal plan --ladder`` prices)."""
     timeout_s: float = 120.0
     """Timeout of every collective, in seconds; a hang fails after this long."""
     allow_cross_vendor_dp: bool = False
@@ -183,6 +186,9 @@ class TrainConfig:
         if any(n < 1 for n in p.layers_per_stage):
             raise UserError(f"parallel.layers_per_stage={p.layers_per_stage} has a stage with no layers; "
                             "give every stage at least one layer.")
+        if p.homogeneous_backend not in ("native", "gloo"):
+            raise UserError(f"parallel.homogeneous_backend={p.homogeneous_backend!r} is unknown; "
+                            "use 'native' or 'gloo'.")
         if p.schedule not in ("1f1b", "gpipe"):
             raise UserError(f"parallel.schedule={p.schedule!r} is unknown; use '1f1b' or 'gpipe'.")
         if p.microbatches < 1 or self.data.batch_size % p.microbatches:

@@ -158,7 +158,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 
         ctx = init_parallel(ParallelDims(pp=cfg.parallel.pp, dp=cfg.parallel.dp, tp=cfg.parallel.tp,
                                          allow_cross_vendor_dp=cfg.parallel.allow_cross_vendor_dp),
-                            transports={"pp": cfg.parallel.pp_transport, "dp": cfg.parallel.dp_transport},
+                            transports={"pp": cfg.parallel.pp_transport, "dp": cfg.parallel.dp_transport,
+                                        "homogeneous": cfg.parallel.homogeneous_backend},
                             timeout=timedelta(seconds=cfg.parallel.timeout_s))
     try:
         return _run(cfg, ctx, models, args, split, tokens)

@@ -1,0 +1,88 @@
+"""`bimetal plan fit`: set a cluster spec's host-path constants from measurements on the machines.
+
+Inputs are what the machines report themselves:
+
+* ``bimetal bench comm`` JSON, run between two nodes of the cluster (or two ranks of one) with every stripe
+  on one interface (``--ifaces`` naming one NIC): raw Gloo's bandwidth at the largest message is one TCP
+  connection's ceiling (``tcp_conn_gbps``); the best cpu-forward bandwidth with several stripes is what the
+  TCP stack moves through that interface with K connections (``tcp_iface_gbps``; the one-connection figure
+  when the report has no striped rows); half of raw Gloo's smallest-message delivery time (a send and a
+  1-element acknowledgement) is the per-message latency (``msg_latency_us``).
+* optionally a ``bimetal profile`` JSON: its ``copy_gbps`` (one staging-sized memcpy in host memory) becomes
+  the host memory bandwidth the node's concurrent staging copies share (``host_copy_gbps``).
+
+The spec is rewritten to ``--out`` with the fitted keys set on the chosen groups (all by default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import tomli_w
+
+from bimetal.errors import UserError
+from bimetal.plan.spec import load_spec, parse_spec
+
+
+def _rows(path: str) -> list[dict[str, Any]]:
+    try:
+        rows = json.loads(Path(path).read_text())["rows"]
+        return [{"variant": str(r["variant"]), "bytes": int(r["bytes"]), "median_s": float(r["median_s"])}
+                for r in rows]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UserError(f"--bench-comm {path} is not a `bimetal bench comm` JSON ({e}); run `bimetal bench comm "
+                        "--out DIR` and pass DIR/bench_comm.json.") from None
+
+
+def fit_bench_comm(path: str) -> dict[str, float]:
+    """tcp_conn_gbps, tcp_iface_gbps and msg_latency_us from a bench comm report (GB/s, microseconds)."""
+    rows = _rows(path)
+    gloo = sorted((r for r in rows if r["variant"] == "gloo"), key=lambda r: r["bytes"])
+    if len(gloo) < 2:
+        raise UserError(f"--bench-comm {path} has no raw Gloo rows at two sizes; run bench comm with gloo in "
+                        "--transports and at least two --sizes (e.g. 4K,64M).")
+    big = gloo[-1]
+    conn = big["bytes"] / big["median_s"] / 1e9
+    striped = [r["bytes"] / r["median_s"] / 1e9 for r in rows
+               if r["variant"].startswith("cpu-forward x") and r["variant"] != "cpu-forward x1"
+               and r["bytes"] == big["bytes"]]
+    # Several connections on one interface tell its stack's ceiling; without them, one connection is all we know.
+    return {"tcp_conn_gbps": round(conn, 3), "tcp_iface_gbps": round(max(striped) if striped else conn, 3),
+            "msg_latency_us": round(gloo[0]["median_s"] / 2 * 1e6, 1)}
+
+
+def fit_profile(path: str) -> dict[str, float]:
+    """host_copy_gbps from a `bimetal profile` JSON."""
+    try:
+        return {"host_copy_gbps": round(float(json.loads(Path(path).read_text())["copy_gbps"]), 3)}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UserError(f"--profile {path} is not a `bimetal profile` JSON ({e}).") from None
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="bimetal plan fit", description=__doc__.splitlines()[0])
+    ap.add_argument("spec", help="cluster spec TOML to start from")
+    ap.add_argument("--bench-comm", required=True, metavar="JSON", help="bench_comm.json from `bimetal bench comm`")
+    ap.add_argument("--profile", metavar="JSON", help="`bimetal profile` JSON for host_copy_gbps")
+    ap.add_argument("--group", action="append", default=[], help="group name to set (repeatable; default all)")
+    ap.add_argument("--out", required=True, help="spec TOML to write")
+    a = ap.parse_args(argv)
+    load_spec(a.spec)  # refuses a bad spec with the key and file named
+    data = tomllib.loads(Path(a.spec).read_text())
+    names = [str(t.get("name", f"{t['vendor']}{i}")) for i, t in enumerate(data["group"])]
+    unknown = sorted(set(a.group) - set(names))
+    if unknown:
+        raise UserError(f"--group {unknown[0]!r} is not a group of {a.spec}; its groups are {', '.join(names)}.")
+    fitted = fit_bench_comm(a.bench_comm) | (fit_profile(a.profile) if a.profile else {})
+    for name, table in zip(names, data["group"]):
+        if not a.group or name in a.group:
+            table.update(fitted)
+    parse_spec(data, a.out)  # the result must be a valid spec before it is written
+    Path(a.out).write_text(tomli_w.dumps(data))
+    print(f"{a.spec} -> {a.out}: " + ", ".join(f"{k} = {v}" for k, v in fitted.items())
+          + f" on {', '.join(a.group) or 'every group'}")
+    return 0

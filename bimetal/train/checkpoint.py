@@ -96,8 +96,8 @@ def latest(folder: str | Path) -> Path | None:
 def check_meta(path: Path, meta: dict[str, Any]) -> dict[str, Any]:
     """Raise ``UserError`` if the checkpoint at ``path`` was written for another model or layout."""
     saved = json.loads((path / "meta.json").read_text())
-    for key in ("family", "flavour", "layers_per_stage", "dp"):
-        if saved.get(key) != meta.get(key):
+    for key in ("family", "flavour", "layers_per_stage", "dp", "dp_shard"):
+        if saved.get(key, 1 if key == "dp_shard" else None) != meta.get(key, 1 if key == "dp_shard" else None):
             raise UserError(f"checkpoint {path} is for {key}={saved.get(key)!r} but this run has {key}="
                             f"{meta.get(key)!r}; point checkpoint.folder elsewhere or match the config.")
     return saved

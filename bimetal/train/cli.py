@@ -35,12 +35,6 @@ def _check_implemented(cfg: TrainConfig) -> None:
     p = cfg.parallel
     if p.tp > 1:
         raise UserError(f"parallel.tp={p.tp}: this build of the trainer runs only tp=1; set --parallel.tp=1.")
-    if p.dp_shard > 1:
-        raise UserError(f"parallel.dp_shard={p.dp_shard}: this build of the trainer does not shard yet; "
-                        "set --parallel.dp_shard=1.")
-    if cfg.activation_checkpoint.mode != "none":
-        raise UserError(f"activation_checkpoint.mode={cfg.activation_checkpoint.mode!r}: this build of the trainer "
-                        "has no activation checkpointing yet; set it to 'none'.")
 
 
 def main(argv: list[str]) -> int:

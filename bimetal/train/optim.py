@@ -16,6 +16,7 @@ from torch import nn
 
 from bimetal.comm.hierarchical import hierarchical_all_reduce
 from bimetal.train.config import OptimConfig
+from bimetal.train.parallelize import shard_sq_norm
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
@@ -79,12 +80,15 @@ def _hierarchical_sum(flat: torch.Tensor, h: Any) -> int:
     return shard * flat.element_size()
 
 
-def clip_global_norm(model: nn.Module, max_norm: float, pp_group: dist.ProcessGroup | None, pp_size: int) -> float:
-    """Clip to ``max_norm`` by the norm over all stages; returns the norm before clipping."""
+def clip_global_norm(model: nn.Module, max_norm: float, pp_group: dist.ProcessGroup | None, pp_size: int,
+                     shard_group: dist.ProcessGroup | None = None) -> float:
+    """Clip to ``max_norm`` by the norm over all stages; returns the norm before clipping.
+
+    Under FSDP (``shard_group`` set) gradients are DTensor shards: their squares are summed over the shard
+    group first, then over the pp group; scaling a DTensor gradient scales its local shard.
+    """
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    sq = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")
-    for g in grads:
-        sq += g.detach().float().pow(2).sum()
+    sq = shard_sq_norm(grads, shard_group)
     if pp_size > 1:
         dist.all_reduce(sq, group=pp_group)
     norm = float(sq.sqrt())

@@ -74,7 +74,8 @@ class PipelineRunner:
             input_example = input_example.detach().requires_grad_(True)
         if output_example.is_floating_point():
             output_example = output_example.detach().requires_grad_(True)
-        self.module = StageModule(module, autocast_dtype, device.type)
+        # A StageModule is taken as it is: under FSDP it is the root FSDP module the schedule must see.
+        self.module = module if isinstance(module, StageModule) else StageModule(module, autocast_dtype, device.type)
         self.pipe_stage = MeteredStage(self.module, stage, num_stages, device, input_args=(input_example,),
                                        output_args=(output_example,), group=group)
         self.schedule = SCHEDULES[schedule](self.pipe_stage, n_microbatches=microbatches, loss_fn=loss_fn)

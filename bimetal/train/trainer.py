@@ -28,7 +28,9 @@ from bimetal.train.data import TokenStream, load_tokens
 from bimetal.train.export import export_model
 from bimetal.train.metrics import StepMetrics, cluster_peak_flops
 from bimetal.train.optim import average_gradients, build_optimizer, build_scheduler, clip_global_norm
+from bimetal.train.parallelize import apply_activation_checkpointing, apply_fsdp, memory_bytes, set_gradient_sync
 from bimetal.train.pipeline import PipelineRunner, StageModule, stage_layer_ids
+from bimetal.train.shards import merge_loaded, part_name, to_local
 from bimetal.train.tokenizer import build_tokenizer
 
 
@@ -130,6 +132,15 @@ class _XvendorMeter:
         return float(local[1]) / self.ctx.world_size, int(local[0])
 
 
+def _write_memory(run_dir: str, rank: int, sizes: dict[str, int]) -> None:
+    """``memory-rank<R>.json``: bytes of parameters, gradients and optimizer state this rank holds."""
+    import json
+    from pathlib import Path
+
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    (Path(run_dir) / f"memory-rank{rank}.json").write_text(json.dumps(sizes))
+
+
 def train(cfg: TrainConfig) -> dict[str, Any]:
     """Run ``cfg`` on this rank (world from the torchrun env when pp*dp > 1); returns the summary."""
     tok = build_tokenizer(cfg.data.tokenizer)
@@ -154,23 +165,53 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                                          allow_cross_vendor_dp=cfg.parallel.allow_cross_vendor_dp),
                             transports={"pp": cfg.parallel.pp_transport, "dp": cfg.parallel.dp_transport},
                             timeout=timedelta(seconds=cfg.parallel.timeout_s))
+    smesh = None
     try:
-        return _run(cfg, ctx, models, args, split, tokens)
+        if ctx is not None and cfg.parallel.dp_shard > 1:
+            from bimetal.parallel.mesh import build_stage_mesh
+
+            smesh = build_stage_mesh(ctx, cfg.parallel.dp_shard, _device().type, {"dp": cfg.parallel.dp_transport},
+                                     timedelta(seconds=cfg.parallel.timeout_s))
+            if ctx.rank == 0:
+                from bimetal.parallel.groups import format_group_table
+
+                print("bimetal FSDP mesh groups (shard, replicate; a name from the table above is that group):\n"
+                      + format_group_table(smesh.specs), flush=True)
+        return _run(cfg, ctx, smesh, models, args, split, tokens)
     finally:
+        if smesh is not None:
+            smesh.destroy()
         if ctx is not None:
             ctx.destroy()
 
 
-def _run(cfg: TrainConfig, ctx: Any, models: Any, args: Any, split: list[int], tokens: Any) -> dict[str, Any]:
+def _build_stage(cfg: TrainConfig, models: Any, args: Any, split: list[int], stage: int, n_stages: int,
+                 device: torch.device, amp: torch.dtype | None, smesh: Any) -> tuple[Any, StageModule]:
+    """This rank's stage: the model part, then activation checkpointing, then FSDP2 over the stage mesh.
+
+    Returns (model, stage module): the schedule (or the plain loop) runs the stage module, which under FSDP
+    is the root FSDP module holding the model.
+    """
+    # Only this stage's tensors are ever allocated (an 8B model would not fit 8 ranks' host memory whole).
+    model = models.build_stage(cfg.model.family, args, stage_layer_ids(split, stage), stage == 0,
+                               stage == n_stages - 1, device=device, seed=cfg.model.seed)
+    apply_activation_checkpointing(model, cfg.activation_checkpoint)
+    local = StageModule(model, amp, device.type)
+    if smesh is not None:
+        apply_fsdp(local, model, smesh.mesh, pipelined=n_stages > 1, param_dtype=amp)
+    return model, local
+
+
+def _run(cfg: TrainConfig, ctx: Any, smesh: Any, models: Any, args: Any, split: list[int], tokens: Any
+         ) -> dict[str, Any]:
     stage, n_stages = (ctx.stage, ctx.num_stages) if ctx else (0, 1)
     dp_rank, dp_size = (ctx.dp_rank, ctx.dp_size) if ctx else (0, 1)
     rank = ctx.rank if ctx else 0
     device = _device()
     amp = _autocast_dtype(cfg.training.dtype, device)
     family = cfg.model.family
-    # Only this stage's tensors are ever allocated (an 8B model would not fit 8 ranks' host memory whole).
-    model = models.build_stage(family, args, stage_layer_ids(split, stage), stage == 0, stage == n_stages - 1,
-                               device=device, seed=cfg.model.seed)
+    model, local = _build_stage(cfg, models, args, split, stage, n_stages, device, amp, smesh)
+    shard_group = smesh.shard_group if smesh is not None else None
     opt = build_optimizer(model, cfg.optim)
     sched = build_scheduler(opt, cfg.optim, cfg.training.steps)
     stream = TokenStream(tokens, cfg.data.seq_len, cfg.data.batch_size, dp_rank, dp_size, cfg.training.seed)
@@ -181,12 +222,14 @@ def _run(cfg: TrainConfig, ctx: Any, models: Any, args: Any, split: list[int], t
         hidden = torch.zeros(mb, seq, args.dim, device=device)
         ids = torch.zeros(mb, seq, dtype=torch.long, device=device)
         logits = torch.zeros(mb, seq, args.vocab_size, device=device)
-        runner = PipelineRunner(model, stage, n_stages, ctx.pp_group, n_mb, cfg.parallel.schedule, _loss_fn,
+        runner = PipelineRunner(local, stage, n_stages, ctx.pp_group, n_mb, cfg.parallel.schedule, _loss_fn,
                                 device, ids if stage == 0 else hidden, logits if stage == n_stages - 1 else hidden,
                                 autocast_dtype=amp)
-    local = StageModule(model, amp, device.type)
     folder = cfg.checkpoint.folder or f"{cfg.metrics.run_dir}/checkpoints"
-    meta = {"family": family, "flavour": cfg.model.flavour, "layers_per_stage": split, "dp": dp_size}
+    meta = {"family": family, "flavour": cfg.model.flavour, "layers_per_stage": split, "dp": dp_size,
+            "dp_shard": cfg.parallel.dp_shard}
+    part = part_name(stage, smesh.shard_rank if smesh is not None else None)
+    writer = (smesh.replicate_rank if smesh is not None else dp_rank) == 0
     start = 0
     # A rank restarted by torchrun (--max-restarts) resumes by itself: it loses at most one interval.
     resume = cfg.checkpoint.resume or not faults.first_attempt()
@@ -196,8 +239,10 @@ def _run(cfg: TrainConfig, ctx: Any, models: Any, args: Any, split: list[int], t
     if path is not None:
         checkpoint.check_meta(path, meta)
         state = checkpoint.training_state(model, opt, stage)
-        extra = checkpoint.load(path, state, rank, shard=f"stage{stage}")
-        checkpoint.apply_training_state(model, opt, stage, state)
+        shards: dict[str, list[int]] = {}
+        loaded = to_local(state, shards)  # DTensor shards are filled in place; the rest comes back in `loaded`
+        extra = checkpoint.load(path, loaded, rank, shard=part)
+        checkpoint.apply_training_state(model, opt, stage, merge_loaded(state, loaded))
         sched.load_state_dict(extra["sched"])
         stream.load_state_dict(extra["data"])
         checkpoint.set_rng_state(extra["rng"])
@@ -216,7 +261,7 @@ def _run(cfg: TrainConfig, ctx: Any, models: Any, args: Any, split: list[int], t
         opt.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), device=device)
         schedule_s = 0.0
-        for _ in range(cfg.optim.grad_accum):
+        for acc in range(cfg.optim.grad_accum):
             x, y = (t.to(device) for t in stream.next_batch())
             if runner is not None:
                 ts = time.perf_counter()
@@ -225,7 +270,9 @@ def _run(cfg: TrainConfig, ctx: Any, models: Any, args: Any, split: list[int], t
                 schedule_s += time.perf_counter() - ts
             else:
                 # Same microbatch split and mean as the pipeline schedule, so both paths agree numerically.
-                for xc, yc in zip(x.chunk(n_mb), y.chunk(n_mb)):
+                for i, (xc, yc) in enumerate(zip(x.chunk(n_mb), y.chunk(n_mb))):
+                    # FSDP reduce-scatters in the last microbatch's backward only, overlapped block by block.
+                    set_gradient_sync(local, acc == cfg.optim.grad_accum - 1 and i == n_mb - 1)
                     loss = _loss_fn(local(xc), yc) / n_mb
                     loss.backward()
                     loss_sum += loss.detach()
@@ -235,14 +282,19 @@ def _run(cfg: TrainConfig, ctx: Any, models: Any, args: Any, split: list[int], t
                     p.grad /= cfg.optim.grad_accum
         td = time.perf_counter()
         with _during(rank, step + 1, "gradient all-reduce", dp_name):
-            dp_bytes = average_gradients(model, ctx.dp_group if ctx else None, dp_size,
-                                         ctx.hierarchical if ctx else None)
+            if smesh is None:
+                dp_bytes = average_gradients(model, ctx.dp_group if ctx else None, dp_size,
+                                             ctx.hierarchical if ctx else None)
+            else:  # FSDP reduced the gradients in the backward; this is what its replicate all-reduce carried
+                dp_bytes = memory_bytes(model, opt)["grads"] if smesh.replicate_spans_vendors else 0
         dp_s = time.perf_counter() - td
         with _during(rank, step + 1, "global gradient norm", pp_name):
-            norm = clip_global_norm(model, cfg.optim.grad_clip, ctx.pp_group if ctx else None, n_stages)
+            norm = clip_global_norm(model, cfg.optim.grad_clip, ctx.pp_group if ctx else None, n_stages, shard_group)
         lr = opt.param_groups[0]["lr"]
         opt.step()
         sched.step()
+        if step == start:
+            _write_memory(cfg.metrics.run_dir, rank, memory_bytes(model, opt))
         loss_t = (loss_sum / cfg.optim.grad_accum).reshape(1)
         if dp_size > 1:
             with _during(rank, step + 1, "loss all-reduce", dp_name):
@@ -253,9 +305,13 @@ def _run(cfg: TrainConfig, ctx: Any, models: Any, args: Any, split: list[int], t
         metrics.log(step + 1, float(loss_t), ntok, time.perf_counter() - t0, lr, norm, comm_s, comm_bytes)
         every = cfg.checkpoint.every
         if (every and (step + 1) % every == 0) or step + 1 == cfg.training.steps:
-            checkpoint.save(folder, step + 1, checkpoint.training_state(model, opt, stage),
-                            {"step": step + 1, "sched": sched.state_dict(), "data": stream.state_dict(),
-                             "rng": checkpoint.rng_state()}, meta, rank, shard=f"stage{stage}", writer=dp_rank == 0)
+            shards = {}
+            state = to_local(checkpoint.training_state(model, opt, stage), shards)
+            extra = {"step": step + 1, "sched": sched.state_dict(), "data": stream.state_dict(),
+                     "rng": checkpoint.rng_state()}
+            if smesh is not None:
+                extra["shards"] = {"part": part, "dim": 0, "count": smesh.dp_shard, "tensors": shards}
+            checkpoint.save(folder, step + 1, state, extra, meta, rank, shard=part, writer=writer)
         faults.after_step(rank, step + 1)  # fault injection for the reliability tests; no-op unless configured
     if cfg.checkpoint.export_hf:
         export_model(model, family, args, split, ctx, cfg.checkpoint.export_hf)

@@ -8,12 +8,16 @@ each transformer block is one checkpointed unit and one FSDP parameter group:
   ``selective`` wraps every ``every``-th block of the stage (the 1st, 2nd ... ``every``-th counted from 1);
 * **FSDP2**: ``fully_shard`` on every block, then on the stage module as the root (embedding, final norm and
   output projection), over the stage-local mesh (``bimetal.parallel.mesh``). Parameters, gradients and
-  AdamW state are then DTensors sharded on dim 0; a 2-D mesh makes it HSDP. Each block reduce-scatters its
-  gradient from its own post-backward hook, so that traffic overlaps the backward of the blocks before it.
+  AdamW state are then DTensors sharded on dim 0; a 2-D mesh makes it HSDP (reduce-scatter over the shard
+  dimension, all-reduce of the shard over the replicate dimension).
 
-With a pipeline, ``reshard_after_forward`` is off (torchtitan's default for pp): every microbatch would
-otherwise all-gather each block twice more, and ``torch.distributed.pipelining`` itself turns gradient sync
-off for every microbatch's backward and reduce-scatters once, in its ``perform_reduce_grad`` after the last.
+When gradients are reduced: without a pipeline, gradient sync is on for the last microbatch only, and each
+block reduce-scatters from its own post-backward hook, so that traffic overlaps the backward of the blocks
+before it. With a pipeline, as torchtitan composes them, ``torch.distributed.pipelining`` turns sync off for
+every microbatch's backward and reduce-scatters every block once, in its ``perform_reduce_grad`` after the
+last backward: the traffic then overlaps the pipeline's drain on the other stages, not this stage's own
+backward. ``reshard_after_forward`` is off with a pipeline (torchtitan's default for pp): every microbatch
+would otherwise all-gather each block twice more.
 """
 
 from __future__ import annotations

@@ -9,8 +9,10 @@ single-process run of the same global batch within 1e-5 relative:
   sharded step-10 checkpoint; it also exports the HF model;
 * ``fsdp-device-direct``: the same layout and schedule over device-direct, uninterrupted: the killed run
   equals it bit for bit at every step, before and after the kill (resume after a kill is exact);
-* ``ac-full``: pp=2 x dp=2 replicated with activation checkpointing on every block; its per-rank optimizer
-  state (read by the trainer from the state tensors) is the reference the sharded run must halve;
+* ``ac-full``: pp=2 x dp=2 replicated with activation checkpointing on every block, and two gradient
+  accumulation steps per optimizer step (a pipeline once scaled the first one's gradients twice); its
+  per-rank optimizer state (read by the trainer from the state tensors) is the reference the sharded run
+  must halve;
 * ``hsdp-across-vendors``: pp=1 x dp=4 with dp_shard=2 on nvidia:2,amd:2: shard groups are the vendor
   islands on the native back-end, the replicate all-reduce crosses vendors on cpu-forward.
 
@@ -129,7 +131,9 @@ def fsdp_dd(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def ac_full(tmp_path_factory: pytest.TempPathFactory) -> Path:
     run = tmp_path_factory.mktemp("ac-full") / "run"
-    _train(run, "--activation_checkpoint.mode=full", "--parallel.pp_transport=cpu-forward")
+    # Two accumulation steps of 4 rows per replica read the same windows as the single run's batch of 16.
+    _train(run, "--activation_checkpoint.mode=full", "--parallel.pp_transport=cpu-forward", "--optim.grad_accum=2",
+           "--data.batch_size=4", "--parallel.microbatches=2")
     return run
 
 

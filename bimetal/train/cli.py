@@ -35,6 +35,9 @@ def _check_implemented(cfg: TrainConfig) -> None:
     p = cfg.parallel
     if p.tp > 1:
         raise UserError(f"parallel.tp={p.tp}: this build of the trainer runs only tp=1; set --parallel.tp=1.")
+    if p.tp > 1 and p.dp_shard > 1:
+        raise UserError(f"parallel.dp_shard={p.dp_shard} with parallel.tp={p.tp}: the trainer does not shard "
+                        "tensor-parallel stages yet; set --parallel.dp_shard=1 or --parallel.tp=1.")
 
 
 def main(argv: list[str]) -> int:

@@ -78,7 +78,15 @@ class PipelineRunner:
         self.module = module if isinstance(module, StageModule) else StageModule(module, autocast_dtype, device.type)
         self.pipe_stage = MeteredStage(self.module, stage, num_stages, device, input_args=(input_example,),
                                        output_args=(output_example,), group=group)
-        self.schedule = SCHEDULES[schedule](self.pipe_stage, n_microbatches=microbatches, loss_fn=loss_fn)
+        # Each microbatch's loss is divided by the microbatch count before its backward, as the single-process
+        # loop does, instead of the schedule dividing every gradient after the step (scale_grads): that would
+        # also divide the gradients earlier accumulation steps left in .grad.
+        self.microbatches, self._loss_fn = microbatches, loss_fn
+        self.schedule = SCHEDULES[schedule](self.pipe_stage, n_microbatches=microbatches, loss_fn=self._scaled_loss,
+                                            scale_grads=False)
+
+    def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self._loss_fn(output, target) / self.microbatches
 
     def step(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> torch.Tensor:
         """Run the schedule; returns the mean microbatch loss (a 0-d float tensor) on every stage."""
@@ -91,6 +99,6 @@ class PipelineRunner:
         else:
             self.schedule.step(**kwargs)
         device = self.pipe_stage.device
-        loss = (torch.stack([x.detach().float() for x in losses]).mean() if self.is_last
+        loss = (torch.stack([x.detach().float() for x in losses]).sum() if self.is_last
                 else torch.zeros((), device=device))
         return broadcast_from_last(loss, self.group, self.num_stages)

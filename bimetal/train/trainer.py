@@ -1,9 +1,12 @@
 """The training loop: one pipeline stage x one dp replica per rank.
 
-Per step: ``grad_accum`` schedule runs (each over ``parallel.microbatches`` microbatches), gradient
-average over the dp group, one global-norm clip over all stages and replicas, AdamW, lr schedule, metrics,
-checkpoint. Single-process runs (pp=dp=1, no process group) use the same loop with a plain forward and the
-same microbatch split, so the two agree to float32 rounding.
+The stage is built in ``_build_stage``: the model part, activation checkpointing, then FSDP2 over the
+stage-local mesh when ``parallel.dp_shard`` > 1 (``parallelize``). Per step: ``grad_accum`` schedule runs
+(each over ``parallel.microbatches`` microbatches), gradient average over the dp group (done by FSDP's
+reduce-scatter/all-reduce in the backward when sharded), one global-norm clip over all stages and replicas,
+AdamW, lr schedule, metrics, checkpoint (one part per shard owner when sharded: ``shards``). Single-process
+runs (pp=dp=1, no process group) use the same loop with a plain forward and the same microbatch split, so
+the two agree to float32 rounding.
 """
 
 from __future__ import annotations
@@ -94,7 +97,9 @@ class _XvendorMeter:
     activations and gradients), else from the pipeline's send ops; dp bytes are the payload each rank hands
     to the cross-vendor all-reduce (what the wire carries depends on the transport's algorithm). Time is
     this rank's schedule time minus its stage compute (waits for the peer included), plus the time of a
-    vendor-spanning gradient average.
+    vendor-spanning gradient average. Under HSDP with a vendor-spanning replicate dimension the dp bytes are
+    the gradient shard each rank all-reduces; that all-reduce runs inside the backward, so its time is not
+    separated out.
     """
 
     def __init__(self, ctx: Any, runner: PipelineRunner | None) -> None:

@@ -31,7 +31,13 @@ from bimetal.train.data import TokenStream, load_tokens
 from bimetal.train.export import export_model
 from bimetal.train.metrics import StepMetrics, cluster_peak_flops
 from bimetal.train.optim import average_gradients, build_optimizer, build_scheduler, clip_global_norm
-from bimetal.train.parallelize import apply_activation_checkpointing, apply_fsdp, memory_bytes, set_gradient_sync
+from bimetal.train.parallelize import (
+    apply_activation_checkpointing,
+    apply_fsdp,
+    memory_bytes,
+    set_gradient_sync,
+    tensor_bytes,
+)
 from bimetal.train.pipeline import PipelineRunner, StageModule, stage_layer_ids
 from bimetal.train.shards import merge_loaded, part_name, to_local
 from bimetal.train.tokenizer import build_tokenizer
@@ -291,7 +297,8 @@ def _run(cfg: TrainConfig, ctx: Any, smesh: Any, models: Any, args: Any, split: 
                 dp_bytes = average_gradients(model, ctx.dp_group if ctx else None, dp_size,
                                              ctx.hierarchical if ctx else None)
             else:  # FSDP reduced the gradients in the backward; this is what its replicate all-reduce carried
-                dp_bytes = memory_bytes(model, opt)["grads"] if smesh.replicate_spans_vendors else 0
+                grads = [p.grad for p in model.parameters() if p.grad is not None]
+                dp_bytes = tensor_bytes(grads) if smesh.replicate_spans_vendors else 0
         dp_s = time.perf_counter() - td
         with _during(rank, step + 1, "global gradient norm", pp_name):
             norm = clip_global_norm(model, cfg.optim.grad_clip, ctx.pp_group if ctx else None, n_stages, shard_group)

@@ -11,13 +11,13 @@ each transformer block is one checkpointed unit and one FSDP parameter group:
   AdamW state are then DTensors sharded on dim 0; a 2-D mesh makes it HSDP (reduce-scatter over the shard
   dimension, all-reduce of the shard over the replicate dimension).
 
-When gradients are reduced: without a pipeline, gradient sync is on for the last microbatch only, and each
-block reduce-scatters from its own post-backward hook, so that traffic overlaps the backward of the blocks
-before it. With a pipeline, as torchtitan composes them, ``torch.distributed.pipelining`` turns sync off for
-every microbatch's backward and reduce-scatters every block once, in its ``perform_reduce_grad`` after the
-last backward: the traffic then overlaps the pipeline's drain on the other stages, not this stage's own
-backward. ``reshard_after_forward`` is off with a pipeline (torchtitan's default for pp): every microbatch
-would otherwise all-gather each block twice more.
+When gradients are reduced: gradient sync is on for the last microbatch only, and each block
+reduce-scatters from its own post-backward hook, so that traffic overlaps the backward of the blocks before
+it. Without a pipeline ``set_gradient_sync`` does that; with one, the schedule's stage does
+(``pp_comms.MeteredStage``: torch's stage, as torchtitan uses it, would keep sync off for every microbatch and
+reduce-scatter all blocks after the last backward, in ``perform_reduce_grad``). ``reshard_after_forward`` is
+off with a pipeline (torchtitan's default for pp): every microbatch would otherwise all-gather each block
+twice more.
 """
 
 from __future__ import annotations

@@ -1,10 +1,13 @@
-# Two commands on a fresh machine: `make demo` (main job) and `make test` (the test suite).
+# Two commands on a fresh machine: `make demo` (main job) and `make test` (the test suite, lint first).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# Debian packages some tests use: libibverbs1 (Mooncake's library links it even for TCP), iproute2 (the lab:
+# ip, tc), iptables (the lab's link latency and packet loss on kernels without netem).
+DEB_PACKAGES := libibverbs1 iproute2 iptables
 
-.PHONY: venv demo test lint clean
+.PHONY: venv demo test lint debian-packages clean
 
 $(STAMP): pyproject.toml requirements-lock.txt
 	$(PY) -m venv $(VENV)
@@ -19,12 +22,26 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/bimetal train --config configs/demo.toml --simulate nvidia:2,amd:2
 
-test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+# Installs what is missing of DEB_PACKAGES when run as root on Debian/Ubuntu; otherwise says how, and the
+# tests that need a missing package skip, naming it.
+debian-packages:
+	@missing=""; for p in $(DEB_PACKAGES); do \
+	  dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q "ok installed" || missing="$$missing $$p"; done; \
+	if [ -z "$$missing" ]; then exit 0; fi; \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  echo "make: installing the Debian packages the tests use:$$missing"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+	else \
+	  echo "make: not installed:$$missing; the tests that need them skip (install: sudo apt-get update &&" \
+	       "sudo apt-get install -y$$missing)"; \
+	fi
 
 lint: $(STAMP)
 	$(BIN)/ruff check bimetal tests
 	$(BIN)/mypy
+
+test: $(STAMP) debian-packages lint
+	$(BIN)/python -m pytest -q tests
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache

@@ -11,6 +11,7 @@ import sys
 from collections.abc import Callable
 
 from bimetal.errors import JobAborted, UserError
+from bimetal.supervisor import report_outcome
 
 # command -> (module, function, one-line help). Each function takes argv and returns an exit status.
 COMMANDS: dict[str, tuple[str, str, str]] = {
@@ -19,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "train": ("bimetal.train.cli", "main", "train LLaMA-3 / Qwen2 across vendors"),
     "plan": ("bimetal.plan.cli", "main", "rank layouts for a cluster spec with the cost model"),
     "profile": ("bimetal.plan.cli", "profile_main", "time model layers on the local device for the planner"),
+    "titan": ("bimetal.integrations.torchtitan.cli", "main", "torchtitan's trainer across vendors"),
     "lab": ("bimetal.lab.cli", "main", "bring up an emulated multi-node cluster and run a job on it"),
     "bench": ("bimetal.cli", "bench_main", "benchmarks: 'bench comm', 'bench ladder', 'bench train'"),
 }
@@ -62,10 +64,12 @@ def main(argv: list[str] | None = None) -> int:
         module, func, _ = COMMANDS[command]
         return int(_resolve(module, func)(rest) or 0)
     except UserError as exc:
-        print(f"bimetal {command}: {exc}", file=sys.stderr)
+        if not report_outcome(2, str(exc)):  # a rank of bimetal's launcher leaves the sentence to it
+            print(f"bimetal {command}: {exc}", file=sys.stderr)
         return 2
     except JobAborted as exc:
-        print(f"bimetal {command}: {exc}", file=sys.stderr)
+        if not report_outcome(1, str(exc)):
+            print(f"bimetal {command}: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"bimetal {command}: interrupted", file=sys.stderr)

@@ -1,9 +1,11 @@
-"""``bimetal launch``: start the ranks of a job on this machine through torch's elastic launcher.
+"""``bimetal launch``: start the ranks of a job on this machine.
 
-A thin wrapper over ``python -m torch.distributed.run``: it adds the simulation setting
-(``--simulate nvidia:2,amd:2`` -> ``BIMETAL_SIMULATE`` in every rank's environment, vendor by global
-rank), and derives ``--nproc-per-node`` from it. On real clusters run
-``torchrun`` directly; bimetal reads the standard environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR).
+It adds the simulation setting (``--simulate nvidia:2,amd:2`` -> ``BIMETAL_SIMULATE`` in every rank's
+environment, vendor by global rank) and derives the number of ranks from it. A single-node job runs under
+bimetal's own rank supervisor (``bimetal.supervisor``: torchrun's environment, but one sentence per failure and
+every rank stopped on SIGINT/SIGTERM); a multi-node one (``--nnodes`` > 1 or ``--master-addr``) is handed to
+``python -m torch.distributed.run``. On real clusters run ``torchrun`` directly; bimetal reads the standard
+environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import os
 import subprocess
 import sys
 
+from bimetal.env import check_environment
 from bimetal.errors import UserError
 from bimetal.topology.vendor import SIMULATE_ENV, SimulationSpecError, parse_simulate
 
@@ -28,6 +31,7 @@ def launch(
     max_restarts: int = 0,
     extra_env: dict[str, str] | None = None,
     torchrun_args: list[str] | None = None,
+    name: str = "bimetal launch",
 ) -> int:
     """Run ``rank_argv`` (a script path or ``-m module`` plus arguments) as the ranks of one node.
 
@@ -35,13 +39,19 @@ def launch(
     """
     if not rank_argv:
         raise UserError("nothing to launch: give a script or '-m module' after '--'")
+    check_environment()  # a bad BIMETAL_* value: one sentence here, not one per rank
+    if nnodes < 1 or max_restarts < 0 or (nproc_per_node is not None and nproc_per_node < 1):
+        raise UserError(f"--nnodes={nnodes}, --nproc-per-node={nproc_per_node} and --max-restarts={max_restarts} "
+                        "must be positive (restarts: zero or more)")
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
+    vendors: list[str] = []
     if simulate:
         try:
-            world = len(parse_simulate(simulate))
+            vendors = parse_simulate(simulate)
         except SimulationSpecError as exc:
             raise UserError(str(exc)) from None
+        world = len(vendors)
         if world % nnodes:
             raise UserError(f"the simulated cluster {simulate!r} has {world} ranks, not a multiple of {nnodes} nodes")
         env[SIMULATE_ENV] = simulate
@@ -53,6 +63,12 @@ def launch(
             )
     nproc_per_node = nproc_per_node or 1
     env.update(extra_env or {})
+    if rank_argv[0] == "-m" and len(rank_argv) < 2:
+        raise UserError("'-m' needs a module name")
+    if nnodes == 1 and master_addr is None and not torchrun_args:
+        from bimetal.supervisor import RankSupervisor
+
+        return RankSupervisor([sys.executable, *rank_argv], nproc_per_node, env, max_restarts, name, vendors).run()
 
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc_per_node}"]
     if nnodes == 1 and master_addr is None:
@@ -62,8 +78,6 @@ def launch(
         cmd.append(f"--master-port={master_port or 29500}")
     cmd += [f"--max-restarts={max_restarts}", *(torchrun_args or [])]
     if rank_argv[0] == "-m":
-        if len(rank_argv) < 2:
-            raise UserError("'-m' needs a module name")
         cmd.append("--module")
         rank_argv = rank_argv[1:]
     cmd += rank_argv

@@ -16,6 +16,33 @@ from typing import Any
 import pytest
 
 
+def engine_unavailable() -> str | None:
+    """Why the device-direct engine (Mooncake) cannot start here, or None when it can.
+
+    Checked for real: the wheel must be importable and its library's dependency ``libibverbs.so.1`` loadable
+    (Mooncake links it even for TCP; Debian package ``libibverbs1``, which ``make test`` installs as root).
+    """
+    import ctypes
+    import importlib.util
+
+    if importlib.util.find_spec("mooncake") is None:
+        return "the Mooncake Transfer Engine wheel is not installed (pip install mooncake-transfer-engine-non-cuda)"
+    try:
+        ctypes.CDLL("libibverbs.so.1")
+    except OSError:
+        return ("libibverbs.so.1 is missing (Debian package libibverbs1, needed by Mooncake even for TCP); "
+                "run `make test` as root or `sudo apt-get install libibverbs1`")
+    return None
+
+
+def iptables_unavailable() -> str | None:
+    """Why lab packet loss cannot be emulated here (no netem in this kernel and no iptables), or None."""
+    if shutil.which("iptables") is None:
+        return ("iptables is not installed (the lab's packet-loss fault on kernels without netem); run `make test` "
+                "as root or `sudo apt-get install iptables`")
+    return None
+
+
 def lab_unavailable() -> str | None:
     """Why this machine cannot host a lab, or None when it can."""
     if not hasattr(os, "geteuid") or os.geteuid() != 0:
@@ -46,6 +73,7 @@ def make_lab() -> Iterator[Callable[..., Any]]:
     if why:
         pytest.skip(why)
     from bimetal.lab.cluster import LabCluster
+    from bimetal.lab.net import netem_available
     from bimetal.lab.spec import parse_spec
 
     made: list[LabCluster] = []
@@ -53,6 +81,8 @@ def make_lab() -> Iterator[Callable[..., Any]]:
     def make(nodes: list[dict[str, Any]] | None = None, nics: int = 2, rate_mbit: float = 200,
              latency_ms: float = 0) -> LabCluster:
         nodes = nodes or [{"name": "nv", "vendor": "nvidia", "ranks": 1}, {"name": "amd", "vendor": "amd", "ranks": 1}]
+        if latency_ms and (why := iptables_unavailable()) and not netem_available():
+            pytest.skip(f"link latency without netem needs iptables: {why}")
         spec = parse_spec({"lab": {"name": _lab_id(), "nics": nics, "rate_mbit": rate_mbit, "latency_ms": latency_ms},
                            "node": nodes}, source="<test lab>")
         lab = LabCluster(spec)

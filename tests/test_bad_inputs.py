@@ -65,6 +65,10 @@ CLI_CASES = [
     ("override-no-value", lambda t: ["train", "--config", str(DEMO), "--optim.lr"], "has no value"),
     ("override-bad-value", lambda t: ["train", "--config", str(DEMO), "--training.steps=many"], "training.steps"),
     ("override-not-override", lambda t: ["train", "--config", str(DEMO), "stray"], "is not an override"),
+    ("tokenizer-not-json", lambda t: ["train", f"--data.tokenizer={_write(t, 'tok.json', 'hello')}"],
+     "is not a tokenizers JSON file"),
+    ("optim-beta-one", lambda t: ["train", "--optim.beta2=1"], "optim.beta2=1.0"),
+    ("log-every-zero", lambda t: ["train", "--metrics.log_every=0"], "metrics.log_every=0"),
     # plan: cluster specs and model names
     ("spec-missing", lambda t: ["plan", str(t / "none.toml"), "--model", "llama3-8b"], "not found"),
     ("spec-not-toml", lambda t: ["plan", _write(t, "s.toml", "[[group]\n"), "--model", "llama3-8b"],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import select
 import socket
 import struct
@@ -99,3 +100,41 @@ def test_a_peer_that_never_connects_times_out_naming_it() -> None:
     with pytest.raises(TransportTimeout, match=r"group ranks \[0\] did not connect within 1 s"):
         lonely.connect({0: {"host": "127.0.0.1", "port": 1, "token": "x"}}, timeout=1)
     lonely.close()
+
+
+def test_a_silent_stranger_is_closed_in_time_and_late_connections_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from bimetal.comm.device_direct import control
+
+    monkeypatch.setattr(control, "_HELLO_S", 0.3)
+    a, b = ControlChannel("127.0.0.1", 0, 1024), ControlChannel("127.0.0.1", 1, 1024)
+    port = b.address["port"]
+    silent = socket.create_connection(("127.0.0.1", port))  # connects first and never says a word
+    errors: list[BaseException] = []
+
+    def accept() -> None:
+        try:
+            b.connect({0: a.address}, timeout=10)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    t = threading.Thread(target=accept)
+    t.start()
+    silent.settimeout(5)
+    t0 = time.monotonic()
+    with contextlib.suppress(ConnectionResetError):  # a reset is a close too
+        assert silent.recv(1) == b""  # EOF: the listener side closed it
+    # closed after its hello deadline, while rank 1 is still waiting for rank 0 (which has not connected yet)
+    assert time.monotonic() - t0 < 3 and t.is_alive()
+    a.connect({1: b.address}, timeout=10)
+    t.join(timeout=10)
+    assert not errors and not t.is_alive()
+    # after the set-up nobody is accepted any more: a late connection is refused, not parked in a backlog
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=2)
+    got: list = []
+    a.send(1, {"k": "credit"})
+    _pump([a, b], lambda: bool(got.extend(b.take()) or got))
+    assert [(p, n) for p, n, _ in got] == [(0, {"k": "credit"})]
+    silent.close()
+    a.close()
+    b.close()

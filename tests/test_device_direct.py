@@ -20,9 +20,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from conftest import engine_unavailable
 from torch import nn
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120),
+              pytest.mark.skipif(engine_unavailable() is not None, reason=str(engine_unavailable()))]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.uint8, torch.bool]
 SIZES = [1, 3, 4096, 1 << 20, (4 << 20) + 5, 9 << 20]  # bytes: eager, chunk edge, multi-chunk rendezvous
 CHUNK = 4 << 20

@@ -6,6 +6,7 @@ import time
 
 import pytest
 import torch
+from conftest import engine_unavailable
 
 from bimetal.comm.device_direct.engine import EngineUnavailableError, WriteStatus, choose_protocol, open_engine
 
@@ -22,6 +23,8 @@ def _wait(engine, handle, timeout=10.0):
 
 @pytest.fixture()
 def pair():
+    if (why := engine_unavailable()) is not None:
+        pytest.skip(why)
     a = open_engine("127.0.0.1", "tcp")
     b = open_engine("127.0.0.1", "tcp")
     a.connect(1, b.endpoint())

@@ -1,8 +1,9 @@
-"""Single-process checks of atomic checkpoints and of the metrics log."""
+"""Single-process checks of atomic checkpoints (damaged ones skipped, pruning) and of the metrics log."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -57,3 +58,82 @@ def test_mfu_uses_summed_peak_and_refuses_partial_tables(tmp_path: Path) -> None
     m = StepMetrics(tmp_path, 0, flops_per_token=1e9, peak=2 * h100)
     rec = m.log(1, 5.0, 1000, 0.5, 1e-3, 1.0, 0.0, 0)
     assert rec["mfu"] == 2000 * 1e9 / (2 * h100)
+
+
+def _save(root: Path, step: int, lin: torch.nn.Linear) -> Path:
+    return checkpoint.save(root, step, {"model": lin.state_dict()}, {"step": step}, META)
+
+
+def test_damaged_newest_checkpoint_is_skipped_with_one_sentence(tmp_path: Path) -> None:
+    lin = torch.nn.Linear(4, 3)
+    for step in (10, 20, 30):
+        _save(tmp_path, step, lin)
+    data = sorted((tmp_path / "step-000030" / "stage0").glob("*.distcp"))[0]
+    data.write_bytes(data.read_bytes()[:-5])  # cut short, as by a full disk or a copy that stopped
+    (tmp_path / "step-000020" / "extra-rank0.json").unlink()
+    warnings: list[str] = []
+    assert checkpoint.latest(tmp_path, warn=warnings.append) == tmp_path / "step-000010"
+    assert len(warnings) == 2 and all(w.count(". ") == 0 and w.endswith("resuming from step-000010 instead.")
+                                      for w in warnings)
+    assert "step-000030 is damaged (stage0/" in warnings[0] and "bytes, " in warnings[0]
+    assert "step-000020 is damaged (extra-rank0.json is missing)" in warnings[1]
+    # a checkpoint written before the marker listed its files (marker = the step) is taken as it is
+    (tmp_path / "step-000010" / checkpoint.MARKER).write_text("10")
+    assert checkpoint.damage(tmp_path / "step-000010") is None
+    shutil.rmtree(tmp_path / "step-000010")
+    warnings.clear()
+    assert checkpoint.latest(tmp_path, warn=warnings.append) is None and "starts from step 0" in warnings[-1]
+
+
+def test_damage_that_keeps_sizes_is_one_sentence_at_load(tmp_path: Path) -> None:
+    lin = torch.nn.Linear(4, 3)
+    path = _save(tmp_path, 10, lin)
+    meta = path / "stage0" / ".metadata"
+    meta.write_bytes(bytes(len(meta.read_bytes())))
+    assert checkpoint.damage(path) is None
+    with pytest.raises(UserError, match=r"step-000010 cannot be read \(.*\); move it away and resume again"):
+        checkpoint.load(path, {"model": lin.state_dict()}, rank=0)
+
+
+def test_keep_last_prunes_older_checkpoints(tmp_path: Path) -> None:
+    lin = torch.nn.Linear(4, 3)
+    for step in (1, 2, 3, 4):
+        _save(tmp_path, step, lin)
+    assert checkpoint.prune(tmp_path, 0) == []  # 0 keeps all
+    (tmp_path / "step-000005").mkdir()  # half-written: newer than every kept one, left alone
+    assert [p.name for p in checkpoint.prune(tmp_path, 2)] == ["step-000001", "step-000002"]
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-000003", "step-000004", "step-000005"]
+    # a damaged newest one does not count towards keep_last: the two intact ones before it stay
+    _save(tmp_path, 1000000, lin)  # 7 digits: ordered by number, not by name
+    (tmp_path / "step-1000000" / "meta.json").write_text("{}")
+    assert checkpoint.prune(tmp_path, 2) == []
+    _save(tmp_path, 1000001, lin)
+    assert [p.name for p in checkpoint.prune(tmp_path, 2)] == ["step-000003"]  # kept: 1000001 and 4
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-000004", "step-000005", "step-1000000",
+                                                               "step-1000001"]
+
+
+def test_resumed_metrics_replace_replayed_steps_and_keep_the_first_loss(tmp_path: Path) -> None:
+    m = StepMetrics(tmp_path, 0, flops_per_token=1e6, peak=None)
+    for step in range(1, 7):
+        m.log(step, 10.0 - step, 1000, 0.5, 1e-3, 1.0, 0.0, 0)
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 7, "lo')  # the line a killed rank was writing
+    again = StepMetrics(tmp_path, 0, flops_per_token=1e6, peak=None, start_step=4)  # resumed at step 4
+    for step in range(5, 9):
+        again.log(step, 20.0 - step, 1000, 0.25, 1e-3, 1.0, 0.0, 0)
+    recs = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == list(range(1, 9))
+    assert [r["loss"] for r in recs] == [9.0, 8.0, 7.0, 6.0, 15.0, 14.0, 13.0, 12.0]
+    s = again.summary("none")
+    assert (s["first_step"], s["steps"], s["loss_start"], s["loss_end"]) == (1, 8, 9.0, 12.0)
+    assert json.loads((tmp_path / "summary.json").read_text())["loss_start"] == 9.0
+
+
+def test_keep_last_setting() -> None:
+    from bimetal.train.config import load_config
+
+    assert load_config(None, []).checkpoint.keep_last == 3
+    assert load_config(None, ["--checkpoint.keep_last=0"]).checkpoint.keep_last == 0
+    with pytest.raises(UserError, match=r"checkpoint\.keep_last=-1 must be 0 \(keep all\) or more"):
+        load_config(None, ["--checkpoint.keep_last=-1"])

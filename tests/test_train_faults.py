@@ -1,7 +1,8 @@
 """Training under faults: a rank SIGKILLed or stalled mid-training.
 
 * With ``--max-restarts`` torchrun restarts the job, every rank resumes from the newest complete
-  checkpoint by itself, and the loss at the final step equals that of an uninterrupted run.
+  checkpoint by itself, and the loss at the final step equals that of an uninterrupted run; metrics.jsonl
+  holds each step once. A damaged newest checkpoint is skipped by ``--resume`` with one sentence.
 * Without restarts, every surviving rank stops within the timeout plus 30 s with one sentence naming its
   step, the phase and the group (and, on bimetal transports, the peer and sequence number); none hangs.
 """
@@ -45,15 +46,40 @@ def _loss_at(run_dir: Path, step: int) -> float:
     return [r["loss"] for r in rows if r["step"] == step][-1]
 
 
+def _steps_logged(run_dir: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
 def test_killed_rank_restarts_and_reaches_the_same_final_loss(tmp_path: Path) -> None:
     ref = _train(tmp_path / "ref", {})
     assert ref.returncode == 0, ref.stderr[-2000:]
     # rank 3 (AMD, last stage) dies after step 6; the checkpoint of step 4 is the newest complete one
-    hurt = _train(tmp_path / "hurt", {"BIMETAL_FAULT_KILL": "3:6"}, "--max-restarts=1")
+    hurt = _train(tmp_path / "hurt", {"BIMETAL_FAULT_KILL": "3:6"}, "--max-restarts=1", "--checkpoint.keep_last=2")
     out = hurt.stdout + hurt.stderr
     assert hurt.returncode == 0, out[-3000:]
     assert "rank 3 kills itself after step 6" in out
     assert "resumed from" in out and "step-000004 at step 4" in out, out[-3000:]
+    assert _loss_at(tmp_path / "hurt", STEPS) == pytest.approx(_loss_at(tmp_path / "ref", STEPS), rel=1e-5)
+    # the replayed steps 5-6 replaced their first records; the summary starts at the run's step 1
+    assert _steps_logged(tmp_path / "hurt") == list(range(1, STEPS + 1))
+    summary = json.loads((tmp_path / "hurt" / "summary.json").read_text())
+    assert summary["first_step"] == 1 and summary["loss_start"] == pytest.approx(_loss_at(tmp_path / "ref", 1))
+    # keep_last=2: of the checkpoints of steps 4, 8 and 10 the two newest are left
+    ckpts = tmp_path / "hurt" / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step-000008", "step-000010"]
+
+    # The newest checkpoint is damaged (a file cut short): --resume says so in one sentence and goes on from
+    # the one before it, to the same final loss, logging steps 9-10 once.
+    data = max((ckpts / "step-000010" / "stage1").glob("*.distcp"), key=lambda f: f.stat().st_size)
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    again = _train(tmp_path / "hurt", {}, "--resume", "--checkpoint.keep_last=2")
+    out = again.stdout + again.stderr
+    assert again.returncode == 0 and "Traceback" not in out, out[-3000:]
+    warned = [line for line in out.splitlines() if "is damaged" in line]
+    assert len(warned) == 1 and "step-000010 is damaged (stage1/" in warned[0], out[-3000:]
+    assert warned[0].endswith("resuming from step-000008 instead."), warned
+    assert "step-000008 at step 8" in out, out[-3000:]
+    assert _steps_logged(tmp_path / "hurt") == list(range(1, STEPS + 1))
     assert _loss_at(tmp_path / "hurt", STEPS) == pytest.approx(_loss_at(tmp_path / "ref", STEPS), rel=1e-5)
 
 

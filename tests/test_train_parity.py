@@ -9,6 +9,11 @@ relative (norm of the difference over the norm), and the HF export (both stages 
 holds exactly the final checkpoint's weights. Resume: the 4-rank run restarted from its step-10
 checkpoint gives the same losses at steps 11-20 as the uninterrupted run, bit for bit. A checkpoint of
 another model is refused with one sentence and exit status 2.
+
+The tensor-parallel row is pp=2 x tp=2 (each stage one vendor, its two ranks splitting every block, the
+embedding and the output head): the same global batch in the same 2-row microbatches, the same checks, and
+its cross-vendor bytes per step equal those of the tp=1 row (each tp rank sends only its half of the
+boundary activation).
 """
 
 from __future__ import annotations
@@ -43,12 +48,22 @@ def _transport_missing(name: str) -> str | None:
         mod = importlib.import_module(module)
     except ImportError as e:
         return f"{module} is not importable ({e})"
-    return None if hasattr(mod, "create_process_group") else f"{module} has no create_process_group yet"
+    if not hasattr(mod, "create_process_group"):
+        return f"{module} has no create_process_group yet"
+    if name == "device-direct":
+        from conftest import engine_unavailable
+
+        return engine_unavailable()
+    return None
 
 
-# (transport, schedule) rows: cpu-forward with the demo's 1F1B, device-direct with GPipe, so each transport
-# and each schedule runs the whole loop.
-SCENARIOS = [("cpu-forward", "1f1b"), ("device-direct", "gpipe")]
+# (transport, schedule, layout) rows: cpu-forward with the demo's 1F1B, device-direct with GPipe, so each
+# transport and each schedule runs the whole loop; then pp=2 x tp=2 on cpu-forward (one dp replica of 16 rows).
+TP2 = ("--parallel.dp=1", "--parallel.tp=2", "--data.batch_size=16", "--parallel.microbatches=8")
+SCENARIOS: list[tuple[str, str, tuple[str, ...]]] = [("cpu-forward", "1f1b", ()), ("device-direct", "gpipe", ()),
+                                                     ("cpu-forward", "1f1b", TP2)]
+IDS = ["cpu-forward-1f1b", "device-direct-gpipe", "cpu-forward-1f1b-tp2"]
+_RUNS: dict[str, tuple[str, Path, str, tuple[str, ...]]] = {}  # one run per row, shared by the tests below
 
 
 def _train(run_dir: Path, *args: str, simulate: bool = False) -> subprocess.CompletedProcess:
@@ -84,20 +99,28 @@ def single(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return run
 
 
-@pytest.fixture(scope="module", params=SCENARIOS, ids=[f"{t}-{s}" for t, s in SCENARIOS])
-def pipelined(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, str]:
-    transport, schedule = request.param
-    if (why := _transport_missing(transport)) is not None:
-        pytest.skip(f"transport {transport} not testable: {why}")
-    run = tmp_path_factory.mktemp(f"pp-{transport}") / "run"
-    r = _train(run, f"--parallel.pp_transport={transport}", f"--parallel.schedule={schedule}",
-               f"--checkpoint.export_hf={run / 'hf'}", simulate=True)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    return transport, run, r.stdout
+def _pipelined_run(row: int, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, str, tuple[str, ...]]:
+    """Run scenario ``row`` once per session: (transport, run folder, stdout, layout arguments)."""
+    if IDS[row] not in _RUNS:
+        transport, schedule, layout = SCENARIOS[row]
+        if (why := _transport_missing(transport)) is not None:
+            pytest.skip(f"transport {transport} not testable: {why}")
+        run = tmp_path_factory.mktemp(f"pp-{IDS[row]}") / "run"
+        r = _train(run, f"--parallel.pp_transport={transport}", f"--parallel.schedule={schedule}", *layout,
+                   f"--checkpoint.export_hf={run / 'hf'}", simulate=True)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+        _RUNS[IDS[row]] = (transport, run, r.stdout, layout)
+    return _RUNS[IDS[row]]
 
 
-def test_pipeline_matches_single_process(single: Path, pipelined: tuple[str, Path, str]) -> None:
-    transport, run, stdout = pipelined
+@pytest.fixture(scope="module", params=range(len(SCENARIOS)), ids=IDS)
+def pipelined(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+              ) -> tuple[str, Path, str, tuple[str, ...]]:
+    return _pipelined_run(request.param, tmp_path_factory)
+
+
+def test_pipeline_matches_single_process(single: Path, pipelined: tuple[str, Path, str, tuple[str, ...]]) -> None:
+    transport, run, stdout, _ = pipelined
     ref, got = _losses(single), _losses(run)
     assert sorted(got) == sorted(ref) == list(range(1, 21))
     for step in ref:
@@ -110,6 +133,7 @@ def test_pipeline_matches_single_process(single: Path, pipelined: tuple[str, Pat
     # The group table shows cross-vendor pipeline groups on the transport asked for; the summary counts at
     # least the pipeline payload - 2 groups x 4 microbatches x (activation + gradient) of 2xSEQx128 floats,
     # 20 steps - and, from a bimetal transport's own counters, little more (loss broadcast, clip all-reduce).
+    # With tp=2 the same payload: 2 groups (one per tp rank) x 8 microbatches x half of 2xSEQx128 floats.
     backend = {"cpu-forward": "bimetal_cpu_forward", "device-direct": "bimetal_device_direct"}[transport]
     assert any(line.startswith("pp.dp0") and "cross-vendor" in line and backend in line for line in
                stdout.splitlines()), stdout
@@ -124,14 +148,15 @@ def test_pipeline_matches_single_process(single: Path, pipelined: tuple[str, Pat
     assert summary["xvendor_source"] == "pp: transport counters"
 
 
-def test_resume_after_step_10_is_identical(pipelined: tuple[str, Path, str], tmp_path: Path) -> None:
-    transport, run, _ = pipelined
+def test_resume_after_step_10_is_identical(pipelined: tuple[str, Path, str, tuple[str, ...]], tmp_path: Path
+                                           ) -> None:
+    transport, run, _, layout = pipelined
     if transport == "device-direct":
         pytest.skip("resume is checked once, on the cpu-forward row; it does not depend on the transport")
     resumed = tmp_path / "run"
     (resumed / "checkpoints").mkdir(parents=True)
     shutil.copytree(run / "checkpoints" / "step-000010", resumed / "checkpoints" / "step-000010")
-    r = _train(resumed, f"--parallel.pp_transport={transport}", "--resume", simulate=True)
+    r = _train(resumed, f"--parallel.pp_transport={transport}", *layout, "--resume", simulate=True)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert "resumed from" in r.stdout
     full, again = _losses(run), _losses(resumed)
@@ -173,3 +198,19 @@ def test_dp_across_vendors_hierarchical_matches_single_process(single: Path, tmp
     assert all(abs(got[s] - ref[s]) <= RTOL * abs(ref[s]) for s in got), [(s, got[s], ref[s]) for s in got]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["xvendor_bytes"] > 0 and summary["dp_cross_vendor_transport"].endswith("(hierarchical)")
+
+
+def test_tp_keeps_cross_vendor_bytes(tmp_path_factory: pytest.TempPathFactory) -> None:
+    # Same global batch, same microbatch rows: pp=2 x tp=2 moves exactly the bytes of pp=2 x tp=1 per step,
+    # read from the cpu-forward transport's own counters (all ranks summed), not twice as many.
+    _, tp1, _, _ = _pipelined_run(IDS.index("cpu-forward-1f1b"), tmp_path_factory)
+    _, tp2, stdout, _ = _pipelined_run(IDS.index("cpu-forward-1f1b-tp2"), tmp_path_factory)
+    per_step = {name: {r["step"]: r["xvendor_bytes"] for r in map(json.loads, (run / "metrics.jsonl")
+                                                                   .read_text().splitlines())}
+                for name, run in (("tp1", tp1), ("tp2", tp2))}
+    assert per_step["tp2"] == per_step["tp1"], per_step
+    assert min(per_step["tp2"].values()) >= 2 * 4 * 2 * (2 * SEQ * 128 * 4)  # at least the tp=1 payload
+    # Each stage's two ranks form one native tp group, and each tp rank has its own cross-vendor pp group.
+    table = stdout.splitlines()
+    assert any(line.startswith("tp.stage1.dp0") and "homogeneous-amd" in line for line in table), stdout
+    assert any(line.startswith("pp.dp0.tp1") and "cross-vendor" in line for line in table), stdout

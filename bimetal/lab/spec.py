@@ -20,11 +20,10 @@ Every mistake is a ``UserError`` naming the file and the key.
 from __future__ import annotations
 
 import re
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import tomllib
 
 from bimetal.errors import UserError
 from bimetal.topology.vendor import SIMULATED_VENDORS

@@ -6,7 +6,8 @@
 """
 
 from bimetal.models.args import ARGS_CLASSES, FLAVOURS, LlamaArgs, ModelArgs, Qwen2Args, RopeScaling
-from bimetal.models.hf import args_from_hf_config, export_hf, from_hf, hf_config
+from bimetal.models.hf import export_hf, from_hf
+from bimetal.models.hf_config import args_from_hf_config, hf_config
 from bimetal.models.transformer import Transformer, build_model, build_stage, prune_to_stage
 
 __all__ = ["ARGS_CLASSES", "FLAVOURS", "LlamaArgs", "ModelArgs", "Qwen2Args", "RopeScaling", "Transformer",

@@ -2,7 +2,8 @@
 
 ``from_hf(path)`` reads ``config.json`` (``model_type`` ``llama`` or ``qwen2``), builds the model on the meta
 device, and fills it from ``model.safetensors`` or the shards listed in ``model.safetensors.index.json``.
-``export_hf(model, args, path)`` writes the same layout back. Our RoPE uses HF's rotate-half convention,
+``export_hf(model, args, path)`` writes the same layout back. ``config.json`` itself (both ``transformers``
+formats, the fields refused) is ``bimetal.models.hf_config``. Our RoPE uses HF's rotate-half convention,
 so q/k weights are copied as they are, with no permutation.
 """
 
@@ -11,19 +12,15 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from bimetal.errors import UserError
-from bimetal.models.args import ARGS_CLASSES, ModelArgs, RopeScaling
+from bimetal.models.args import ModelArgs
+from bimetal.models.hf_config import args_from_hf_config, hf_config
 from bimetal.models.transformer import Transformer, build_model, prune_to_stage
-
-HF_MODEL_TYPES = {"llama": "llama3", "qwen2": "qwen2"}
-FAMILY_MODEL_TYPE = {v: k for k, v in HF_MODEL_TYPES.items()}
-ARCHITECTURES = {"llama3": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 # HF name pattern -> ours; layer names keep the global index.
 _LAYER_MAP = {
@@ -61,74 +58,6 @@ def ours_to_hf(name: str) -> str:
 
 def _fail(path: Path, what: str) -> UserError:
     return UserError(f"{path}: {what}")
-
-
-def args_from_hf_config(cfg: dict[str, Any], where: Path | str = "config.json") -> tuple[str, ModelArgs]:
-    """(family, args) from an HF config dict; UserError for a model or option bimetal does not implement."""
-    where = Path(where)
-    mtype = cfg.get("model_type")
-    if mtype not in HF_MODEL_TYPES:
-        raise _fail(where, f"model_type {mtype!r} is not supported; bimetal loads {', '.join(HF_MODEL_TYPES)}.")
-    family = HF_MODEL_TYPES[mtype]
-    try:
-        dim, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-        kw: dict[str, Any] = {
-            "dim": dim, "n_layers": int(cfg["num_hidden_layers"]), "n_heads": heads,
-            "n_kv_heads": int(cfg.get("num_key_value_heads") or heads), "vocab_size": int(cfg["vocab_size"]),
-            "ffn_dim": int(cfg["intermediate_size"]), "norm_eps": float(cfg.get("rms_norm_eps", 1e-6)),
-            "rope_theta": float(cfg.get("rope_theta", 10000.0)),
-            "max_seq_len": int(cfg.get("max_position_embeddings", 2048)),
-            "tie_embeddings": bool(cfg.get("tie_word_embeddings", False)),
-        }
-    except KeyError as e:
-        raise _fail(where, f"config has no {e.args[0]!r}; it must be a complete {mtype} config.") from None
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise _fail(where, f"hidden_act {cfg['hidden_act']!r} is not supported; only silu (SwiGLU) is.")
-    if cfg.get("head_dim") not in (None, dim // heads):
-        raise _fail(where, f"head_dim {cfg['head_dim']} differs from hidden_size/num_attention_heads; not supported.")
-    if family == "llama3":
-        if cfg.get("attention_bias") or cfg.get("mlp_bias"):
-            raise _fail(where, "attention_bias/mlp_bias are not supported for llama; set them false.")
-        kw["qkv_bias"] = False
-    else:
-        if cfg.get("use_sliding_window"):
-            raise _fail(where, "use_sliding_window is not supported; set it false.")
-        kw["qkv_bias"] = True
-    scaling = cfg.get("rope_scaling")
-    if scaling:
-        rtype = scaling.get("rope_type", scaling.get("type"))
-        if rtype == "llama3":
-            kw["rope_scaling"] = RopeScaling(float(scaling["factor"]), float(scaling["low_freq_factor"]),
-                                             float(scaling["high_freq_factor"]),
-                                             int(scaling["original_max_position_embeddings"]))
-        elif rtype != "default":
-            raise _fail(where, f"rope_scaling type {rtype!r} is not supported; only llama3 scaling is.")
-    try:
-        return family, ARGS_CLASSES[family](**kw)
-    except ValueError as e:
-        raise _fail(where, f"inconsistent model shape: {e}.") from None
-
-
-def hf_config(family: str, args: ModelArgs, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-    """The HF ``config.json`` dict for ``args`` (loadable by ``transformers`` and by ``from_hf``)."""
-    cfg: dict[str, Any] = {
-        "architectures": [ARCHITECTURES[family]], "model_type": FAMILY_MODEL_TYPE[family],
-        "hidden_size": args.dim, "num_hidden_layers": args.n_layers, "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.n_kv_heads, "vocab_size": args.vocab_size, "intermediate_size": args.ffn_dim,
-        "rms_norm_eps": args.norm_eps, "rope_theta": args.rope_theta, "max_position_embeddings": args.max_seq_len,
-        "tie_word_embeddings": args.tie_embeddings, "hidden_act": "silu", "head_dim": args.head_dim,
-        "torch_dtype": str(dtype).removeprefix("torch."), "attention_dropout": 0.0, "initializer_range": 0.02,
-    }
-    if family == "llama3":
-        cfg.update(attention_bias=False, mlp_bias=False)
-    else:
-        cfg.update(use_sliding_window=False, max_window_layers=args.n_layers)
-    if args.rope_scaling is not None:
-        s = args.rope_scaling
-        cfg["rope_scaling"] = {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
-                               "high_freq_factor": s.high_freq_factor,
-                               "original_max_position_embeddings": s.original_max_positions}
-    return cfg
 
 
 def _weight_files(folder: Path) -> list[Path]:

@@ -3,17 +3,20 @@
 Steps, the same on every rank: initialise the world (Gloo for CPU tensors; NCCL too on an all-one-vendor
 GPU cluster), exchange topology records over the store, lay out (pp, dp, tp) - refused before any group is
 created if impossible - then create the groups with their differentiated back-ends. Rank 0 prints the
-group table. No globals: callers pass the context on.
+group table as built (a device-direct group that fell back to cpu-forward is shown as such). No globals:
+callers pass the context on.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch.distributed as dist
 
+from bimetal.comm.registry import CPU_FORWARD
 from bimetal.parallel.groups import GroupSpec, create_groups, format_group_table, plan_groups
 from bimetal.parallel.layout import Layout, ParallelDims, plan_layout
 from bimetal.topology.exchange import exchange_topology
@@ -54,6 +57,8 @@ class ParallelContext:
     tp_group: dist.ProcessGroup | None = None
     hierarchical: HierarchicalGroups | None = None
     owns_world: bool = field(default=False, repr=False)
+    fallbacks: dict[str, str] = field(default_factory=dict)
+    """This rank's groups that were asked for device-direct and run on cpu-forward: name -> the reason."""
 
     @property
     def num_stages(self) -> int:
@@ -85,6 +90,11 @@ class ParallelContext:
 
     def spec(self, name: str) -> GroupSpec:
         return next(g for g in self.group_specs if g.name == name)
+
+    def built_backend(self, name: str) -> str:
+        """The back-end group ``name`` (one of this rank's) runs on: the planned one, or cpu-forward after a
+        device-direct fallback."""
+        return CPU_FORWARD if name in self.fallbacks else self.spec(name).backend
 
     def my_group_name(self, axis: str) -> str | None:
         """Name of the group on ``axis`` that holds this rank, if any."""
@@ -147,12 +157,20 @@ def init_parallel(
     specs = plan_groups(view, layout, transports, simulated=is_simulated())
     if print_table and rank == 0:
         print("bimetal cluster view:\n" + view.format_table(), flush=True)
-        print(f"bimetal groups ({dims.describe()}):\n" + format_group_table(specs), flush=True)
     groups = create_groups(specs, timeout)
+    # the table shows the groups as built: a device-direct group that fell back to cpu-forward says so
+    fallbacks = {g.name: str(getattr(groups[g.name], "fallback_reason", "")) for g in specs
+                 if groups.get(g.name) is not None and getattr(groups[g.name], "fallback_reason", None)}
+    for g in specs:
+        if g.ranks[0] == rank:
+            store.set(f"bimetal/built/{g.name}", json.dumps({"fallback": fallbacks.get(g.name, "")}))
+    if print_table and rank == 0:
+        built = {g.name: json.loads(store.get(f"bimetal/built/{g.name}"))["fallback"] for g in specs}
+        print(f"bimetal groups ({dims.describe()}):\n" + format_group_table(specs, built), flush=True)
     stage, dp_rank, tp_rank = layout.coords(rank)
     ctx = ParallelContext(
         rank=rank, world_size=world, vendor=vendor, view=view, layout=layout, group_specs=specs,
-        groups=groups, stage=stage, dp_rank=dp_rank, tp_rank=tp_rank, owns_world=owns_world,
+        groups=groups, stage=stage, dp_rank=dp_rank, tp_rank=tp_rank, owns_world=owns_world, fallbacks=fallbacks,
     )
     for axis in ("pp", "dp", "tp"):
         name = ctx.my_group_name(axis)

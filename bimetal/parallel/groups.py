@@ -114,12 +114,17 @@ def _split_islands(view: ClusterView, ranks: tuple[int, ...]) -> dict[str, tuple
     return {v: tuple(m) for v, m in islands.items()}
 
 
-def format_group_table(specs: list[GroupSpec]) -> str:
+def format_group_table(specs: list[GroupSpec], fallbacks: dict[str, str] | None = None) -> str:
+    """The group table; ``fallbacks`` (group name -> reason) marks groups that were built on cpu-forward
+    instead of device-direct, with the reason under the table."""
+    fallbacks = {k: v for k, v in (fallbacks or {}).items() if v}
     rows = [("group", "ranks", "vendors", "kind", "backend")]
     for g in specs:
         vendors = ",".join(dict.fromkeys(g.vendors))
-        rows.append((g.name, ",".join(map(str, g.ranks)), vendors, g.kind, g.backend))
-    return format_rows(rows)
+        backend = f"{CPU_FORWARD} (fallback from {g.backend})" if g.name in fallbacks else g.backend
+        rows.append((g.name, ",".join(map(str, g.ranks)), vendors, g.kind, backend))
+    notes = [f"  {name}: {why}" for name, why in fallbacks.items()]
+    return format_rows(rows) + ("\nfallbacks:\n" + "\n".join(notes) if notes else "")
 
 
 def create_groups(specs: list[GroupSpec], timeout: timedelta) -> dict[str, dist.ProcessGroup | None]:

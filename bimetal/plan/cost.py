@@ -1,9 +1,13 @@
 """Cost model terms: FLOPs, per-layer time, boundary transfers, all-reduce, bubble and memory.
 
 FLOPs follow torchtitan: 6*N' + 12*L*d*s per token (N' excludes the input embedding, the attention
-term is not halved for the causal mask). Memory counts 16 bytes per parameter (fp32 weights, fp32
-gradients, two fp32 Adam moments) and 34*s*b*h bytes of activations per layer per in-flight microbatch
-(Korthikanti et al. 2022 with flash attention, so no s^2 term); no activation recomputation.
+term is not halved for the causal mask). Memory (``stage_memory``) is the trainer's, term for term: the
+same assumptions as ``bimetal train --dry-run`` (listed in ``bimetal/train/memory.py``), with the bytes a
+block saves for its backward pass written out from what the dry-run measures on the trainer's own block:
+16 bytes per parameter held (fp32 weights, gradients and two AdamW moments) divided over tp (attention
+and MLP matrices) and FSDP's ``dp_shard``; bf16 copies of the weights per microbatch in flight unless
+FSDP gathers bf16 blocks; activations per block per microbatch (flash attention, float32 residual stream
+and norms, bf16 matmul inputs); checkpointed blocks keep only their input.
 """
 
 from __future__ import annotations
@@ -132,11 +136,68 @@ def hierarchical_allreduce_seconds(nbytes: float, local: int, groups: int, local
     return inner + cross
 
 
+def block_saved_bytes(m: ModelDims, tokens: int, tp: int, bf16: bool = True) -> int:
+    """Bytes one block keeps for its backward per microbatch of ``tokens`` on one tp rank (no weights).
+
+    bf16 autocast: the residual x, its rsqrt and normalised copy in fp32 for both norms (8*d + 4 each),
+    the bf16 inputs of q/k/v and w1/w3 (6*d + 4*d, replicated over tp), attention q, k, v and output in bf16
+    (8*d/tp) plus the fp32 log-sum-exp (4*heads/tp), four bf16 MLP hidden tensors (8*ffn/tp). float32:
+    norms 12*d + 4 each, attention 16*d/tp, MLP 16*ffn/tp.
+    """
+    d, f, h = m.dim, m.ffn, m.heads
+    if bf16:
+        per_token = 26 * d + 8 * d / tp + 8 * f / tp + 8 + 4 * h / tp
+    else:
+        per_token = 24 * d + 16 * d / tp + 16 * f / tp + 8 + 4 * h / tp
+    return int(tokens * per_token)
+
+
+def block_matrix_params(m: ModelDims) -> int:
+    """Parameters of a block's attention and MLP matrices (what tp shards and autocast copies)."""
+    hd = m.dim // m.heads
+    return 2 * m.dim * m.dim + 2 * m.dim * m.kv_heads * hd + 3 * m.dim * m.ffn
+
+
+def checkpointed_blocks(layers: int, ac: str, every: int) -> int:
+    """Blocks of a stage whose activations are recomputed: all (full), every ``every``-th (selective), none."""
+    return {"none": 0, "full": layers, "selective": layers // every}[ac]
+
+
+def stage_memory(m: ModelDims, layers: int, first: bool, last: bool, tp: int, micro_batch: int, seq: int,
+                 in_flight: int, dp_shard: int = 1, ac: str = "none", ac_every: int = 2,
+                 bf16: bool = True) -> dict[str, int]:
+    """Per-GPU bytes of one stage by part (keys as the dry-run's report); ``total`` sums them."""
+    tokens = micro_batch * seq
+    mat = block_matrix_params(m) // tp
+    block = mat + m.layer_params - block_matrix_params(m)  # norms are replicated over tp
+    held = layers * block + (m.embed_params if first else 0) + (m.head_params if last else 0)
+    held = -(-held // dp_shard)
+    ckpt = checkpointed_blocks(layers, ac, ac_every)
+    fsdp = dp_shard > 1
+    saved = block_saved_bytes(m, tokens, tp, bf16)
+    copy = 2 * mat if bf16 else 0
+    copies = 0 if fsdp else (layers - ckpt) * copy + (2 * m.embed_params if last and bf16 else 0)
+    hd = m.dim // m.heads
+    act = (layers - ckpt) * saved + ckpt * tokens * m.dim * 4 + 8 * seq * hd
+    act += 8 * tokens if first else 0  # token ids saved by the embedding
+    if last:  # final norm, bf16 output input, fp32 log-softmax, targets; the fp32 logits the schedule holds
+        act += tokens * ((10 if bf16 else 12) * m.dim + 4 + 8) + 2 * tokens * m.vocab * 4
+    else:
+        act += tokens * m.dim * 4  # the stage output, held until its gradient returns
+    transient = tokens * m.vocab * 4 if last else 0
+    if ckpt:
+        transient += saved + (0 if fsdp else copy)
+    if fsdp:
+        unit = max(block, m.embed_params if first or last else 0)
+        transient += unit * (2 * (2 if bf16 else 4) + 4)
+    out = {"params": 4 * held, "grads": 4 * held, "optimizer": 8 * held, "weight_copies": in_flight * copies,
+           "activations": in_flight * act, "transient": transient}
+    out["total"] = sum(out.values())
+    return out
+
+
 def stage_memory_bytes(m: ModelDims, layers: int, first: bool, last: bool, tp: int, micro_batch: int,
-                       seq: int, in_flight: int) -> int:
-    """Per-GPU memory of one stage: parameter state plus activations of in-flight microbatches."""
-    params = layers * m.layer_params + (m.embed_params if first else 0) + (m.head_params if last else 0)
-    act = ACT_BYTES_PER_TOKEN_HIDDEN * seq * micro_batch * m.dim * layers * in_flight
-    if last:  # logits in fp32 for the loss, one microbatch at a time
-        act += micro_batch * seq * m.vocab * 4
-    return (params * BYTES_PER_PARAM + act) // tp
+                       seq: int, in_flight: int, dp_shard: int = 1, ac: str = "none", ac_every: int = 2,
+                       bf16: bool = True) -> int:
+    """Per-GPU memory of one stage: parameter state, weight copies, activations, transients."""
+    return stage_memory(m, layers, first, last, tp, micro_batch, seq, in_flight, dp_shard, ac, ac_every, bf16)["total"]

@@ -21,8 +21,8 @@ def breakdown(p: Plan) -> dict[str, float]:
 
 def explain(p: Plan, single_vendor_best: dict[str, float]) -> str:
     """Human-readable breakdown; warns when a homogeneous run of the same size is predicted faster."""
-    lines = [f"plan pp={p.pp} dp={p.dp} tp={p.tp} micro_batch={p.micro_batch} microbatches={p.microbatches} "
-             f"transport={p.transport} split={p.layer_split}"]
+    lines = [f"plan pp={p.pp} dp={p.dp} dp_shard={p.dp_shard} tp={p.tp} activation_checkpoint={p.ac} "
+             f"micro_batch={p.micro_batch} microbatches={p.microbatches} transport={p.transport} split={p.layer_split}"]
     for k, v in breakdown(p).items():
         lines.append(f"  {k:<48} {v * 1e3:10.1f} ms")
     for vendor, tps in single_vendor_best.items():

@@ -3,11 +3,17 @@
 Stages are vendor-homogeneous: stage j runs on dp*tp GPUs of one node group, groups fill stages in
 file order. With pp = 1, data parallelism spans all groups (hierarchical all-reduce across vendors).
 The step time is the 1F1B estimate: (m + p - 1) slots of the slowest stage, plus the exposed DP
-all-reduce (not overlapped with backward, a conservative choice).
+all-reduce (not overlapped with backward, a conservative choice). Each layout is also tried with FSDP
+(``dp_shard``: the whole dp group, or one node's worth of it, never across a vendor boundary) and with
+activation checkpointing (selective every 2nd block, or full): recomputation adds a third of the forward
+and backward time of the recomputed blocks, FSDP an all-gather of the stage's bf16 weights in the forward
+and again in the backward of every microbatch (exposed where longer than the compute it overlaps) and a
+reduce-scatter in place of the all-reduce.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, replace
 
 from bimetal.plan import cost
@@ -44,6 +50,11 @@ class Plan:
     memory: list[int] = field(default_factory=list)
     rejected: str = ""
     bottleneck: str = ""
+    dp_shard: int = 1
+    """FSDP shard degree inside dp (1 = replicated); dp / dp_shard replicas (HSDP)."""
+    ac: str = "none"
+    """Activation checkpointing: none, selective (every ``ac_every``-th block) or full."""
+    ac_every: int = 2
 
     @property
     def gpus(self) -> int:
@@ -81,6 +92,12 @@ def balance_layers(m: cost.ModelDims, groups: list[NodeGroup], tp: int, tokens: 
     return split[::-1]
 
 
+@functools.lru_cache(maxsize=4096)
+def _balanced(m: cost.ModelDims, groups: tuple[NodeGroup, ...], tp: int, tokens: int, seq: int) -> tuple[int, ...]:
+    # The split does not depend on transport, FSDP or checkpointing, which the search varies around it.
+    return tuple(balance_layers(m, list(groups), tp, tokens, seq))
+
+
 def _net_gbps(g: NodeGroup, ranks_per_node: int) -> float:
     # Each boundary rank gets its share of the node's NICs (at least one, shared if fewer NICs than ranks).
     nics = max(1.0, g.nics_per_node / ranks_per_node)
@@ -89,11 +106,14 @@ def _net_gbps(g: NodeGroup, ranks_per_node: int) -> float:
 
 
 def evaluate(spec: ClusterSpec, model: str, seq: int, global_batch: int, pp: int, dp: int, tp: int,
-             micro_batch: int, transport: str, split: list[int] | None = None) -> Plan | None:
+             micro_batch: int, transport: str, split: list[int] | None = None, dp_shard: int = 1,
+             ac: str = "none", bf16: bool = True) -> Plan | None:
     """Predict one layout; None when the degrees do not tile the cluster. A plan over memory is returned
-    with ``rejected`` set."""
+    with ``rejected`` set. ``bf16``: autocast compute (what plans are written for); False sizes float32."""
     m = cost.model_dims(model)
-    if pp > m.layers or global_batch % (dp * micro_batch):
+    if pp > m.layers or global_batch % (dp * micro_batch) or dp % dp_shard:
+        return None
+    if m.heads % tp or m.kv_heads % tp or m.ffn % tp:  # tp splits heads, key/value heads and the MLP width
         return None
     width = dp * tp
     stage_groups: list[NodeGroup] = []
@@ -116,12 +136,16 @@ def evaluate(spec: ClusterSpec, model: str, seq: int, global_batch: int, pp: int
         return None
     mbs = global_batch // (dp * micro_batch)
     tokens = micro_batch * seq
-    layers = split or balance_layers(m, stage_groups, tp, tokens, seq)
-    plan = Plan(model, seq, pp, dp, tp, micro_batch, mbs, transport, layers, [g.name for g in stage_groups])
+    layers = split or list(_balanced(m, tuple(stage_groups), tp, tokens, seq))
+    plan = Plan(model, seq, pp, dp, tp, micro_batch, mbs, transport, layers, [g.name for g in stage_groups],
+                dp_shard=dp_shard, ac=ac)
     act = cost.activation_bytes(micro_batch, seq, m.dim) / tp
     for j, g in enumerate(stage_groups):
-        plan.stage_compute.append(_stage_time(m, g, layers[j], j == pp - 1, tp, tokens, seq))
-        comm = 0.0
+        compute = _stage_time(m, g, layers[j], j == pp - 1, tp, tokens, seq)
+        ckpt = cost.checkpointed_blocks(layers[j], ac, plan.ac_every)
+        compute += _stage_time(m, g, ckpt, False, tp, tokens, seq) / 3  # recompute: one more forward
+        plan.stage_compute.append(compute)
+        comm = _fsdp_gather_seconds(m, g, plan, j, compute)
         for nb in (j - 1, j + 1):  # activation in / out and its gradient, one per microbatch each
             if 0 <= nb < pp:
                 other = stage_groups[nb]
@@ -139,7 +163,8 @@ def evaluate(spec: ClusterSpec, model: str, seq: int, global_batch: int, pp: int
                     comm += cost.transfer_seconds(act, tr, net, g.h2d_gbps, other.h2d_gbps)
         plan.stage_comm.append(comm)
         in_flight = min(mbs, pp - j)
-        mem = cost.stage_memory_bytes(m, layers[j], j == 0, j == pp - 1, tp, micro_batch, seq, in_flight)
+        mem = cost.stage_memory_bytes(m, layers[j], j == 0, j == pp - 1, tp, micro_batch, seq, in_flight,
+                                      dp_shard, ac, plan.ac_every, bf16)
         plan.memory.append(mem)
         if mem > g.memory_bytes * MEMORY_RESERVE and not plan.rejected:
             plan.rejected = (f"stage {j} needs {mem / 1e9:.1f} GB per GPU, over {MEMORY_RESERVE:.0%} of the "
@@ -159,6 +184,26 @@ def evaluate(spec: ClusterSpec, model: str, seq: int, global_batch: int, pp: int
     return plan
 
 
+def _stage_params(m: cost.ModelDims, plan: Plan, j: int) -> int:
+    params = plan.layer_split[j] * m.layer_params + (m.embed_params if j == 0 else 0)
+    return params + (m.head_params if j == plan.pp - 1 else 0)
+
+
+def _dp_bw(g: NodeGroup, plan: Plan, ranks: int) -> float:
+    inside = ranks * plan.tp <= g.gpus_per_node
+    return g.intra_gbps if inside else _net_gbps(g, g.gpus_per_node) * g.gpus_per_node
+
+
+def _fsdp_gather_seconds(m: cost.ModelDims, g: NodeGroup, plan: Plan, j: int, compute: float) -> float:
+    """Exposed FSDP all-gather per microbatch: the stage's bf16 weights, forward and backward."""
+    if plan.dp_shard == 1:
+        return 0.0
+    nbytes = 2 * _stage_params(m, plan, j) / plan.tp
+    n = plan.dp_shard
+    gather = 2 * nbytes * (n - 1) / n / (_dp_bw(g, plan, n) * 1e9)
+    return max(0.0, gather - compute)
+
+
 def _dp_allreduce(spec: ClusterSpec, m: cost.ModelDims, plan: Plan, groups: list[NodeGroup], transport: str) -> float:
     if plan.dp == 1:
         return 0.0
@@ -173,11 +218,14 @@ def _dp_allreduce(spec: ClusterSpec, m: cost.ModelDims, plan: Plan, groups: list
         return cost.hierarchical_allreduce_seconds(nbytes, local, len(spec.groups), slow.intra_gbps, per_byte)
     worst = 0.0
     for j, g in enumerate(groups):
-        params = plan.layer_split[j] * m.layer_params + (m.embed_params if j == 0 else 0)
-        params += m.head_params if j == plan.pp - 1 else 0
-        inside = plan.dp * plan.tp <= g.gpus_per_node
-        bw = g.intra_gbps if inside else _net_gbps(g, g.gpus_per_node) * g.gpus_per_node
-        worst = max(worst, cost.ring_allreduce_seconds(2 * params / plan.tp, plan.dp, bw))
+        nbytes = 2 * _stage_params(m, plan, j) / plan.tp
+        if plan.dp_shard == 1:
+            t = cost.ring_allreduce_seconds(nbytes, plan.dp, _dp_bw(g, plan, plan.dp))
+        else:  # reduce-scatter (half a ring all-reduce) in the shard group, all-reduce of a shard over replicas
+            t = cost.ring_allreduce_seconds(nbytes, plan.dp_shard, _dp_bw(g, plan, plan.dp_shard)) / 2
+            t += cost.ring_allreduce_seconds(nbytes / plan.dp_shard, plan.dp // plan.dp_shard,
+                                             _dp_bw(g, plan, plan.dp))
+        worst = max(worst, t)
     return worst
 
 
@@ -188,6 +236,22 @@ def _bottleneck(p: Plan) -> str:
              "pipeline bubble": (p.pp - 1) * (p.stage_compute[j] + p.stage_comm[j]),
              "dp all-reduce": p.dp_allreduce, "tp all-reduce": p.tp_comm * p.microbatches}
     return max(terms, key=lambda k: terms[k])
+
+
+AC_MODES = ("none", "selective", "full")
+
+
+def shard_degrees(spec: ClusterSpec, pp: int, dp: int, tp: int) -> list[int]:
+    """FSDP degrees worth trying: none, the whole dp group, and one node's worth (HSDP across nodes).
+
+    A shard group never crosses a vendor boundary: with pp = 1 on a mixed cluster it stays inside the
+    smallest island and the replicas cross vendors.
+    """
+    if dp == 1:
+        return [1]
+    limit = min(g.gpus for g in spec.groups) // tp if pp == 1 and len(spec.groups) > 1 else dp
+    node = min(g.gpus_per_node for g in spec.groups) // tp
+    return sorted({d for d in (dp, node, limit) if 1 < d <= limit and dp % d == 0 and limit % d == 0} | {1})
 
 
 def search(spec: ClusterSpec, model: str, seq: int, global_batch: int) -> tuple[list[Plan], list[Plan]]:
@@ -202,10 +266,12 @@ def search(spec: ClusterSpec, model: str, seq: int, global_batch: int) -> tuple[
             dp = n // tp // pp
             for b in (1, 2, 4):
                 for tr in TRANSPORTS:
-                    p = evaluate(spec, model, seq, global_batch, pp, dp, tp, b, tr)
-                    if p is None:
-                        continue
-                    (rejected if p.rejected else ok).append(p)
+                    for shard in shard_degrees(spec, pp, dp, tp):
+                        for ac in AC_MODES:
+                            p = evaluate(spec, model, seq, global_batch, pp, dp, tp, b, tr, dp_shard=shard, ac=ac)
+                            if p is None:
+                                continue
+                            (rejected if p.rejected else ok).append(p)
     ok.sort(key=lambda p: -p.tokens_per_s)
     return ok, rejected
 

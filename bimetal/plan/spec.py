@@ -9,11 +9,10 @@ A group may instead name a ``profile`` (JSON from ``bimetal profile``, path rela
 
 from __future__ import annotations
 
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import tomllib
 
 from bimetal.errors import UserError
 from bimetal.topology.devices import lookup

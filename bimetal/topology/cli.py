@@ -34,7 +34,7 @@ def main(argv: list[str]) -> int:
             raise UserError("outside torchrun, give --simulate (e.g. --simulate nvidia:2,amd:2) or run under torchrun")
         from bimetal.launch import launch
 
-        return launch(["-m", "bimetal.topology.cli", *argv], simulate=args.simulate)
+        return launch(["-m", "bimetal.topology.cli", *argv], simulate=args.simulate, name="bimetal topo")
     return _run_rank(args)
 
 

@@ -1,15 +1,25 @@
-"""``python -m bimetal.train`` / ``torchrun -m bimetal.train``: the rank entry point of ``bimetal train``."""
+"""``python -m bimetal.train`` / ``torchrun -m bimetal.train``: the rank entry point of ``bimetal train``.
+
+A rank that stops on an error ends with one sentence: printed here under torchrun, handed to the launcher
+when bimetal's own launcher started it (which then speaks once for the job, see ``bimetal.supervisor``).
+"""
 
 import sys
 
 from bimetal.errors import JobAborted, UserError
+from bimetal.supervisor import report_outcome
 from bimetal.train.cli import main
+
+
+def _stop(status: int, message: str) -> None:
+    if not report_outcome(status, message):
+        print(f"bimetal train: {message}", file=sys.stderr, flush=True)
+    sys.exit(status)
+
 
 try:
     sys.exit(main(sys.argv[1:]))
 except UserError as e:
-    print(f"bimetal train: {e}", file=sys.stderr)
-    sys.exit(2)
+    _stop(2, str(e))
 except JobAborted as e:
-    print(f"bimetal train: {e}", file=sys.stderr)
-    sys.exit(1)
+    _stop(1, str(e))

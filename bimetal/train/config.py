@@ -7,11 +7,11 @@ write and check configs without side effects. Every mistake a user can make rais
 from __future__ import annotations
 
 import dataclasses
+import math
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import tomllib
 
 from bimetal.errors import UserError
 
@@ -52,6 +52,10 @@ class ParallelConfig:
     """Timeout of every collective, in seconds; a hang fails after this long."""
     allow_cross_vendor_dp: bool = False
     """Allow data-parallel groups that span vendors (gradients then cross vendors every step)."""
+    cluster: str = ""
+    """Cluster spec TOML (as for ``bimetal plan``, e.g. ``configs/clusters/h100_mi300x.toml``, relative to the
+    working directory) naming each vendor island's GPU part; ``--dry-run`` sizes every stage against it.
+    Stages take the spec's GPUs in file order. Empty: the dry-run prints bytes without a device limit."""
 
 
 @dataclass
@@ -117,7 +121,10 @@ class CheckpointConfig:
     every: int = 0
     """Save every N steps; 0 saves only at the end."""
     resume: bool = False
-    """Continue from the newest complete checkpoint."""
+    """Continue from the newest complete checkpoint (a damaged one is reported and the one before it used)."""
+    keep_last: int = 3
+    """Keep the newest N complete checkpoints and delete older ones after each save; 0 keeps all. Three leave
+    a fallback when the newest is damaged and one more, at three times one checkpoint's disk space."""
     export_hf: str = ""
     """If set, export the trained model as an HF safetensors folder here."""
 
@@ -185,6 +192,41 @@ class TrainConfig:
             raise UserError(f"training.dtype={self.training.dtype!r} is unknown; use auto, bfloat16 or float32.")
         if self.data.bin_dtype not in ("uint16", "uint32"):
             raise UserError(f"data.bin_dtype={self.data.bin_dtype!r} is unknown; use uint16 or uint32.")
+        if self.checkpoint.keep_last < 0:
+            raise UserError(f"checkpoint.keep_last={self.checkpoint.keep_last} must be 0 (keep all) or more.")
+        self._check_ranges()
+
+    def _check_ranges(self) -> None:
+        """Numbers out of their range, each refused naming its key (a silent clamp would hide a typo)."""
+        o = self.optim
+        at_least = [("training.steps", self.training.steps, 1), ("data.seq_len", self.data.seq_len, 1),
+                    ("data.batch_size", self.data.batch_size, 1),
+                    ("parallel.microbatches", self.parallel.microbatches, 1),
+                    ("optim.grad_accum", o.grad_accum, 1), ("optim.warmup_steps", o.warmup_steps, 0),
+                    ("checkpoint.every", self.checkpoint.every, 0), ("metrics.log_every", self.metrics.log_every, 1),
+                    ("model.seed", self.model.seed, 0), ("training.seed", self.training.seed, 0)]
+        for key, count, least in at_least:
+            if count < least:
+                raise UserError(f"{key}={count} must be at least {least}.")
+        for key, seed in (("model.seed", self.model.seed), ("training.seed", self.training.seed)):
+            if seed >= 2 ** 63:
+                raise UserError(f"{key}={seed} must be below 2**63.")
+        # (key, value, lowest, highest, lowest allowed itself)
+        spans: list[tuple[str, float, float, float, bool]] = [
+                 ("optim.lr", o.lr, 0.0, math.inf, False), ("optim.weight_decay", o.weight_decay, 0.0, math.inf, True),
+                 ("optim.beta1", o.beta1, 0.0, 1.0, True), ("optim.beta2", o.beta2, 0.0, 1.0, True),
+                 ("optim.eps", o.eps, 0.0, math.inf, False), ("optim.min_lr_ratio", o.min_lr_ratio, 0.0, 1.0, True),
+                 ("optim.grad_clip", o.grad_clip, 0.0, math.inf, True),
+                 ("parallel.timeout_s", self.parallel.timeout_s, 0.0, math.inf, False)]
+        for key, value, low, high, closed in spans:
+            ok = math.isfinite(value) and (value >= low if closed else value > low) and value <= high
+            if key.startswith("optim.beta"):
+                ok = ok and value < 1.0
+            if not ok:
+                low_s = f"{'>=' if closed else '>'} {low:g}"
+                high_s = " and below 1" if key.startswith("optim.beta") else \
+                    f" and at most {high:g}" if math.isfinite(high) else ""
+                raise UserError(f"{key}={value!r} must be a finite number {low_s}{high_s}.")
 
     def stage_split(self, n_layers: int) -> list[int]:
         """Layers per stage for a model of ``n_layers``; raises ``UserError`` if the split does not sum."""

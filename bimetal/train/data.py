@@ -36,9 +36,14 @@ def load_tokens(path: str, tokenizer: ByteTokenizer | HFJsonTokenizer, bin_dtype
             raise UserError(f"{p} is {p.stat().st_size} bytes, not a whole number of {bin_dtype} tokens; "
                             "set data.bin_dtype to the type the shard was written with.")
         return np.memmap(p, dtype=dtype, mode="r")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"data file {p} is not UTF-8 text (byte {exc.start} is not); give a text, .jsonl or "
+                        ".bin token file as data.path.") from None
     if p.suffix == ".jsonl":
         ids: list[int] = []
-        for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+        for n, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
             try:
@@ -48,15 +53,16 @@ def load_tokens(path: str, tokenizer: ByteTokenizer | HFJsonTokenizer, bin_dtype
             ids.extend(tokenizer.encode(text))
             ids.append(tokenizer.eos_id)
         return np.asarray(ids, dtype=np.int64)
-    return np.asarray(tokenizer.encode(p.read_text(encoding="utf-8")), dtype=np.int64)
+    return np.asarray(tokenizer.encode(text), dtype=np.int64)
 
 
 class TokenStream:
     """Batches of ``(inputs, targets)``, each ``[batch, seq_len]``, for one dp replica."""
 
     def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, dp_rank: int = 0, dp_size: int = 1,
-                 seed: int = 0) -> None:
-        self.tokens = tokens
+                 seed: int = 0, vocab_size: int | None = None) -> None:
+        """``vocab_size``: refuse a batch holding an id the model cannot embed (a file that is not tokens)."""
+        self.tokens, self.vocab_size = tokens, vocab_size
         self.seq_len, self.batch_size = seq_len, batch_size
         self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
         n_windows = (len(tokens) - 1) // seq_len
@@ -80,6 +86,9 @@ class TokenStream:
             rows.append(np.asarray(self.tokens[start:start + self.seq_len + 1], dtype=np.int64))
             self.consumed += 1
         batch = torch.from_numpy(np.stack(rows))
+        if self.vocab_size is not None and int(batch.max()) >= self.vocab_size:
+            raise UserError(f"the data holds token id {int(batch.max())} but the model has {self.vocab_size} tokens; "
+                            "data.path is not a token file for this model (check it and data.bin_dtype).")
         return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
 
     def _cached(self, epoch: int) -> torch.Tensor:

@@ -1,6 +1,8 @@
 """Per-step metrics: loss, tokens/s, MFU, cross-vendor communication time and bytes.
 
-Rank 0 prints a progress line and appends one JSON object per step to ``<run_dir>/metrics.jsonl``.
+Rank 0 appends one JSON object per step to ``<run_dir>/metrics.jsonl``; a resumed run first cuts the file back
+to its checkpoint's step, so replayed steps replace their records. The rank the trainer gives a ``console``
+prints the step line (``bimetal.train.console``).
 MFU needs the device's peak from ``bimetal.topology.devices``; an unknown device (CPU simulation
 included) gives ``None``, printed as ``unknown`` - never a guessed number.
 """
@@ -8,6 +10,7 @@ included) gives ``None``, printed as ``unknown`` - never a guessed number.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -36,19 +39,26 @@ class StepMetrics:
     """Collects per-step records; writes JSONL and the console line on rank 0."""
 
     def __init__(self, run_dir: str | Path, rank: int, flops_per_token: float, peak: float | None,
-                 log_every: int = 1, tensorboard: bool = False, fresh: bool = True) -> None:
+                 log_every: int = 1, tensorboard: bool = False, start_step: int = 0) -> None:
         """``peak`` is the summed peak FLOP/s of all devices of the job (None: unknown, MFU not shown).
 
-        ``fresh`` starts ``metrics.jsonl`` anew; a resumed run (``fresh=False``) appends to it.
+        ``start_step`` 0 starts ``metrics.jsonl`` anew. A resumed or restarted run passes the step of its
+        checkpoint: the file keeps the records up to that step (the run's history, which the summary includes)
+        and drops later ones, which this run replays, so no step is logged twice.
         """
         self.rank, self.flops_per_token, self.peak, self.log_every = rank, flops_per_token, peak, log_every
         self.records: list[dict[str, Any]] = []
+        self.history: list[dict[str, Any]] = []
         self.path = Path(run_dir) / "metrics.jsonl"
+        self.console: Any = None
+        """Where the step line goes (a ``bimetal.train.console.StepConsole``); the trainer sets it on one rank."""
         self._tb = None
         if rank == 0:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            if fresh:
+            if start_step == 0:
                 self.path.unlink(missing_ok=True)
+            else:
+                self.history = _keep_until(self.path, start_step)
             if tensorboard:
                 try:
                     from torch.utils.tensorboard import SummaryWriter
@@ -71,33 +81,59 @@ class StepMetrics:
             if self._tb is not None:
                 for k in ("loss", "tokens_per_s", "lr", "grad_norm"):
                     self._tb.add_scalar(k, rec[k], step)
-            if step % self.log_every == 0:
-                mfu_s = f"{mfu * 100:.1f}%" if mfu is not None else "unknown"
-                print(f"step {step:5d} | loss {loss:.4f} | {tps:9.0f} tok/s | mfu {mfu_s} | lr {lr:.2e} | "
-                      f"xvendor {comm_s * 1e3:.0f} ms {comm_bytes / 1e6:.2f} MB", flush=True)
+        if self.console is not None:
+            self.console.show(rec)
         return rec
 
-    def summary(self, transport: str, xvendor_source: str = "none", dp_transport: str = "none") -> dict[str, Any]:
-        """Loss start/end/max, tokens/s median and spread (the first step is warm-up when there are more)."""
+    def summary(self, transport: str, xvendor_source: str = "none", dp_transport: str = "none",
+                fallback: str = "") -> dict[str, Any]:
+        """Loss start/end/max, tokens/s median and spread (the first step is warm-up when there are more);
+        ``fallback``: why the pp group runs on cpu-forward although device-direct was asked for."""
         if not self.records:
             return {}
-        tps = [r["tokens_per_s"] for r in (self.records[1:] if len(self.records) > 1 else self.records)]
-        losses = [r["loss"] for r in self.records]
-        mfus = [r["mfu"] for r in self.records if r["mfu"] is not None]
-        out = {"steps": len(self.records), "first_step": self.records[0]["step"], "loss_start": losses[0],
+        # The whole run: the steps before a resume or restart and this attempt's. Each attempt's first step
+        # is warm-up, left out of the speed figures when there are others.
+        records = self.history + self.records
+        warm = [r for r in records if r is not records[0] and r is not self.records[0]]
+        tps = [r["tokens_per_s"] for r in (warm or records)]
+        losses = [r["loss"] for r in records]
+        mfus = [r["mfu"] for r in records if r["mfu"] is not None]
+        out = {"steps": len(records), "first_step": records[0]["step"], "loss_start": losses[0],
                "loss_end": losses[-1], "loss_max": max(losses),
                "tokens_per_s_median": statistics.median(tps), "tokens_per_s_min": min(tps),
                "tokens_per_s_max": max(tps), "tokens_per_s_stdev": statistics.pstdev(tps),
                "mfu_median": statistics.median(mfus) if mfus else None, "pp_transport": transport,
+               "pp_transport_fallback": fallback or None,
                "dp_cross_vendor_transport": dp_transport,
-               "xvendor_bytes": sum(r["xvendor_bytes"] for r in self.records),
-               "xvendor_comm_s": sum(r["xvendor_comm_s"] for r in self.records), "xvendor_source": xvendor_source,
+               "xvendor_bytes": sum(r["xvendor_bytes"] for r in records),
+               "xvendor_comm_s": sum(r["xvendor_comm_s"] for r in records), "xvendor_source": xvendor_source,
                "run_dir": str(self.path.parent)}
         if self.rank == 0:
             (self.path.parent / "summary.json").write_text(json.dumps(out, indent=1))
             if self._tb is not None:
                 self._tb.close()
         return out
+
+
+def _keep_until(path: Path, step: int) -> list[dict[str, Any]]:
+    """Rewrite ``path`` with its records of steps up to ``step`` (one per step, the last written) and return them.
+
+    A line cut short by a killed process is dropped with the rest of what is replayed.
+    """
+    by_step: dict[int, dict[str, Any]] = {}
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] <= step:
+                by_step[rec["step"]] = rec
+    kept = [by_step[s] for s in sorted(by_step)]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    os.replace(tmp, path)
+    return kept
 
 
 def format_summary(s: dict[str, Any]) -> str:
@@ -110,7 +146,8 @@ def format_summary(s: dict[str, Any]) -> str:
         ("tokens/s", f"{s['tokens_per_s_median']:.0f} median, {s['tokens_per_s_min']:.0f}..{s['tokens_per_s_max']:.0f}"
                      f" range, {s['tokens_per_s_stdev']:.0f} stdev"),
         ("mfu", mfu),
-        ("pp transport", s["pp_transport"]),
+        ("pp transport", s["pp_transport"] + (f" (device-direct fell back: {s['pp_transport_fallback']})"
+                                               if s.get("pp_transport_fallback") else "")),
         *([("dp transport", s["dp_cross_vendor_transport"] + ", across vendors")]
           if s.get("dp_cross_vendor_transport", "none") != "none" else []),
         ("cross-vendor", f"{s['xvendor_bytes'] / 1e6:.1f} MB moved (all ranks, {s['xvendor_source']}), "

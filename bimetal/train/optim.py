@@ -3,6 +3,8 @@
 The clip norm is one scalar over every stage and replica: each rank sums the squares of its own gradients
 (its stage's parameters), the sum is all-reduced over the pp group (stages hold disjoint parameters), and
 replicas hold equal averaged gradients after the dp all-reduce, so no dp reduction is needed for the norm.
+Tensor-parallel parameters (``DTensor``s) are reduced on their local slices: every tp rank of a replica holds
+its own slice of each split gradient, and the squares of split gradients are summed over their mesh.
 """
 
 from __future__ import annotations
@@ -13,10 +15,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 
 from bimetal.comm.hierarchical import hierarchical_all_reduce
 from bimetal.train.config import OptimConfig
-from bimetal.train.parallelize import shard_sq_norm
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
@@ -56,7 +58,7 @@ def average_gradients(model: nn.Module, group: dist.ProcessGroup | None, size: i
     """
     if size <= 1:
         return 0
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    grads = [_local(p.grad) for p in model.parameters() if p.grad is not None]
     if not grads:
         return 0
     flat = torch.cat([g.reshape(-1) for g in grads])
@@ -80,15 +82,34 @@ def _hierarchical_sum(flat: torch.Tensor, h: Any) -> int:
     return shard * flat.element_size()
 
 
-def clip_global_norm(model: nn.Module, max_norm: float, pp_group: dist.ProcessGroup | None, pp_size: int,
-                     shard_group: dist.ProcessGroup | None = None) -> float:
-    """Clip to ``max_norm`` by the norm over all stages; returns the norm before clipping.
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's slice of a ``DTensor`` (a view of its storage), or ``t`` itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
-    Under FSDP (``shard_group`` set) gradients are DTensor shards: their squares are summed over the shard
-    group first, then over the pp group; scaling a DTensor gradient scales its local shard.
-    """
+
+def _squares(grads: list[torch.Tensor], device: torch.device | str) -> torch.Tensor:
+    """Sum of squares of every gradient, each counted once however it is split over tp meshes."""
+    sq = torch.zeros((), dtype=torch.float32, device=device)
+    split: dict[tuple[Any, tuple[int, ...]], torch.Tensor] = {}
+    for g in grads:
+        part = _local(g).detach().float().pow(2).sum()
+        if isinstance(g, DTensor) and any(isinstance(pl, Shard) for pl in g.placements):
+            # Summed over the mesh dims it is split along (replicated dims hold copies: counted once).
+            key = (g.device_mesh, tuple(i for i, pl in enumerate(g.placements) if isinstance(pl, Shard)))
+            split[key] = split.get(key, torch.zeros_like(sq)) + part
+        else:
+            sq += part
+    for (mesh, dims), part in split.items():
+        for i in dims:
+            dist.all_reduce(part, group=mesh.get_group(i))
+        sq += part
+    return sq
+
+
+def clip_global_norm(model: nn.Module, max_norm: float, pp_group: dist.ProcessGroup | None, pp_size: int) -> float:
+    """Clip to ``max_norm`` by the norm over all stages; returns the norm before clipping."""
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    sq = shard_sq_norm(grads, shard_group)
+    sq = _squares(grads, grads[0].device if grads else "cpu")
     if pp_size > 1:
         dist.all_reduce(sq, group=pp_group)
     norm = float(sq.sqrt())

@@ -25,7 +25,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     _CHECKPOINT_PREFIX,
@@ -82,11 +81,6 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def whole_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor (a DTensor is all-gathered over its mesh: a collective every mesh rank must join)."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
 def tensor_bytes(tensors: Any) -> int:
     """Bytes this rank holds for ``tensors``, read from the (local) tensors themselves."""
     return sum(local(t).numel() * local(t).element_size() for t in tensors if isinstance(t, torch.Tensor))
@@ -98,17 +92,3 @@ def memory_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, int]
     state = [v for s in opt.state.values() for v in s.values()]
     return {"params": tensor_bytes(params), "grads": tensor_bytes(p.grad for p in params if p.grad is not None),
             "optim": tensor_bytes(state)}
-
-
-def shard_sq_norm(grads: list[torch.Tensor], group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Sum of squares of gradients that may be DTensor shards, summed over the shard ``group``.
-
-    HSDP replicas hold equal shards after their all-reduce, so the replicate dimension adds nothing.
-    """
-    dev = local(grads[0]).device if grads else torch.device("cpu")
-    sq = torch.zeros((), dtype=torch.float32, device=dev)
-    for g in grads:
-        sq += local(g).detach().float().pow(2).sum()
-    if group is not None:
-        dist.all_reduce(sq, group=group)
-    return sq

@@ -13,10 +13,12 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
 from bimetal.errors import UserError
-from bimetal.train.pp_comms import MeteredStage, broadcast_from_last
+from bimetal.train.pp_comms import MeteredStage, TPBoundary, broadcast_from_last
+from bimetal.train.tp import shard_stage_shape
 
 SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
 
@@ -57,17 +59,30 @@ class StageModule(nn.Module):
         return out.float()
 
 
+def _tp_share(example: torch.Tensor, tp: int) -> torch.Tensor:
+    """One tp rank's share of a boundary activation example (hidden dim split by ``tp``)."""
+    return torch.zeros(shard_stage_shape(tuple(example.shape), tp), dtype=example.dtype, device=example.device)
+
+
 class PipelineRunner:
-    """One stage of a pipeline and its schedule; ``step`` runs forward+backward of all microbatches."""
+    """One stage of a pipeline and its schedule; ``step`` runs forward+backward of all microbatches.
+
+    With ``tp_mesh`` (tensor parallelism inside the stage) the activations that cross stages are this tp
+    rank's ``1/tp`` share (``TPBoundary``); the examples passed in are the full shapes.
+    """
 
     def __init__(self, module: nn.Module, stage: int, num_stages: int, group: dist.ProcessGroup | None,
                  microbatches: int, schedule: str, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  device: torch.device, input_example: torch.Tensor, output_example: torch.Tensor,
-                 autocast_dtype: torch.dtype | None = None) -> None:
+                 autocast_dtype: torch.dtype | None = None, tp_mesh: DeviceMesh | None = None) -> None:
         if schedule not in SCHEDULES:
             raise UserError(f"parallel.schedule={schedule!r} is unknown; use one of {', '.join(SCHEDULES)}.")
         self.stage, self.num_stages, self.group = stage, num_stages, group
         self.is_first, self.is_last = stage == 0, stage == num_stages - 1
+        tp = tp_mesh.size() if tp_mesh is not None else 1
+        if tp > 1:
+            input_example = input_example if self.is_first else _tp_share(input_example, tp)
+            output_example = output_example if self.is_last else _tp_share(output_example, tp)
         # Explicit microbatch shapes: the schedule's own shape inference ships pickled objects between ranks.
         # The examples' requires_grad tells the stage which activations carry gradients back.
         if not self.is_first and input_example.is_floating_point():
@@ -75,7 +90,10 @@ class PipelineRunner:
         if output_example.is_floating_point():
             output_example = output_example.detach().requires_grad_(True)
         # A StageModule is taken as it is: under FSDP it is the root FSDP module the schedule must see.
-        self.module = module if isinstance(module, StageModule) else StageModule(module, autocast_dtype, device.type)
+        self.module: nn.Module = (module if isinstance(module, StageModule)
+                                  else StageModule(module, autocast_dtype, device.type))
+        if tp > 1 and tp_mesh is not None:
+            self.module = TPBoundary(self.module, tp_mesh, not self.is_first, not self.is_last)
         self.pipe_stage = MeteredStage(self.module, stage, num_stages, device, input_args=(input_example,),
                                        output_args=(output_example,), group=group)
         # Each microbatch's loss is divided by the microbatch count before its backward, as the single-process

@@ -7,6 +7,13 @@ forward/backward compute, so the time a step spends in pipeline communication (i
 transfers, the waits for the peer stage included) is the step's schedule time minus that compute.
 Everything else on the pp axis goes through the functions below: the loss broadcast and the gather of
 every stage's weights for export.
+
+With tensor parallelism, ``TPBoundary`` keeps cross-vendor bytes independent of tp: a stage's output is cut
+along the hidden dim and each tp rank hands only its ``1/tp`` share to its counterpart tp rank of the next
+stage (the pp groups pair equal tp positions); the receiving stage all-gathers the shares over its native
+tp group before its first layer. Gradients travel the same way backwards (the receiver's input gradient is
+its share of a replicated gradient; the sender all-gathers the shares into the replicated gradient its
+stage's backward expects). So the schedule's send/receive shapes are the ``1/tp`` shapes.
 """
 
 from __future__ import annotations
@@ -16,9 +23,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining._backward import stage_backward
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 
 def _op_bytes(ops: list[dist.P2POp]) -> int:
@@ -87,6 +97,27 @@ class MeteredStage(PipelineStage):
             return super().backward_one_chunk(*args, **kwargs)
         finally:
             self.compute_s += time.perf_counter() - t0
+
+
+class TPBoundary(nn.Module):
+    """Around one tp rank's stage: all-gather the input shares over tp, keep only this rank's output share."""
+
+    def __init__(self, inner: nn.Module, mesh: DeviceMesh, gather_input: bool, shard_output: bool) -> None:
+        super().__init__()
+        self.inner, self.mesh = inner, mesh
+        self.gather_input, self.shard_output = gather_input, shard_output
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gather_input:
+            # Shard -> Replicate: all-gather forward; backward keeps this rank's slice of the replicated grad.
+            x = DTensor.from_local(x, self.mesh, [Shard(-1)], run_check=False).redistribute(
+                self.mesh, [Replicate()]).to_local()
+        out = self.inner(x)
+        if self.shard_output:
+            # Replicate -> Shard: a local slice forward; backward all-gathers the gradient shares.
+            out = DTensor.from_local(out, self.mesh, [Replicate()], run_check=False).redistribute(
+                self.mesh, [Shard(-1)]).to_local().contiguous()
+        return out
 
 
 def broadcast_from_last(value: torch.Tensor, group: dist.ProcessGroup | None, num_stages: int) -> torch.Tensor:

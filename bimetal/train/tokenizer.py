@@ -42,7 +42,12 @@ class HFJsonTokenizer:
                             "set data.tokenizer to 'byte' or a tokenizer.json path.")
         from tokenizers import Tokenizer as _Tok
 
-        self._tok = _Tok.from_file(str(p))
+        try:
+            self._tok = _Tok.from_file(str(p))
+        except Exception as exc:  # noqa: BLE001 - tokenizers raises a bare Exception for a file it cannot parse
+            reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise UserError(f"data.tokenizer {p} is not a tokenizers JSON file ({reason}); give a tokenizer.json "
+                            "or 'byte'.") from None
         self.vocab_size = self._tok.get_vocab_size()
         eos = next((t for t in ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>") if self._tok.token_to_id(t)
                     is not None), None)

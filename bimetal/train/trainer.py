@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -25,8 +26,10 @@ import torch.nn.functional as F
 
 from bimetal import faults
 from bimetal.errors import JobAborted, UserError
+from bimetal.supervisor import report_step
 from bimetal.train import checkpoint
 from bimetal.train.config import TrainConfig
+from bimetal.train.console import StepConsole
 from bimetal.train.data import TokenStream, load_tokens
 from bimetal.train.export import export_model
 from bimetal.train.metrics import StepMetrics, cluster_peak_flops
@@ -41,6 +44,7 @@ from bimetal.train.parallelize import (
 from bimetal.train.pipeline import PipelineRunner, StageModule, stage_layer_ids
 from bimetal.train.shards import merge_loaded, part_name, to_local
 from bimetal.train.tokenizer import build_tokenizer
+from bimetal.train.tp import apply_tp, check_tp, tp_mesh
 
 
 def _loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -163,16 +167,17 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         raise UserError(f"tokenizer {cfg.data.tokenizer!r} has {tok.vocab_size} tokens but model "
                         f"{cfg.model.family}/{cfg.model.flavour} has only {args.vocab_size}; match them.")
     split = cfg.stage_split(args.n_layers)
+    check_tp(args, cfg.parallel.tp, f"{cfg.model.family}/{cfg.model.flavour}")
     torch.manual_seed(cfg.training.seed)
     torch.set_num_threads(int(os.environ.get("BIMETAL_THREADS", "1")))
     if cfg.training.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
 
     ctx = None
-    if cfg.parallel.pp * cfg.parallel.dp > 1:
+    if cfg.parallel.pp * cfg.parallel.dp * cfg.parallel.tp > 1:
         from bimetal.parallel import ParallelDims, init_parallel
 
-        ctx = init_parallel(ParallelDims(pp=cfg.parallel.pp, dp=cfg.parallel.dp,
+        ctx = init_parallel(ParallelDims(pp=cfg.parallel.pp, dp=cfg.parallel.dp, tp=cfg.parallel.tp,
                                          allow_cross_vendor_dp=cfg.parallel.allow_cross_vendor_dp),
                             transports={"pp": cfg.parallel.pp_transport, "dp": cfg.parallel.dp_transport},
                             timeout=timedelta(seconds=cfg.parallel.timeout_s))
@@ -196,21 +201,29 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             ctx.destroy()
 
 
-def _build_stage(cfg: TrainConfig, models: Any, args: Any, split: list[int], stage: int, n_stages: int,
-                 device: torch.device, amp: torch.dtype | None, smesh: Any) -> tuple[Any, StageModule]:
-    """This rank's stage: the model part, then activation checkpointing, then FSDP2 over the stage mesh.
+def _warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr, flush=True)
 
-    Returns (model, stage module): the schedule (or the plain loop) runs the stage module, which under FSDP
-    is the root FSDP module holding the model.
+
+def _build_stage(cfg: TrainConfig, ctx: Any, models: Any, args: Any, split: list[int], stage: int, n_stages: int,
+                 device: torch.device, amp: torch.dtype | None, smesh: Any) -> tuple[Any, StageModule, Any]:
+    """This rank's stage, in torchtitan's order: the model part, tensor parallelism, activation checkpointing,
+    then FSDP2 over the stage mesh.
+
+    Returns (model, stage module, tp mesh): the schedule (or the plain loop) runs the stage module, which under
+    FSDP is the root FSDP module holding the model.
     """
     # Only this stage's tensors are ever allocated (an 8B model would not fit 8 ranks' host memory whole).
     model = models.build_stage(cfg.model.family, args, stage_layer_ids(split, stage), stage == 0,
                                stage == n_stages - 1, device=device, seed=cfg.model.seed)
+    mesh = tp_mesh(ctx.tp_group, device) if ctx is not None and ctx.tp_size > 1 else None
+    if mesh is not None:
+        apply_tp(model, mesh)
     apply_activation_checkpointing(model, cfg.activation_checkpoint)
     local = StageModule(model, amp, device.type)
     if smesh is not None:
         apply_fsdp(local, model, smesh.mesh, pipelined=n_stages > 1, param_dtype=amp)
-    return model, local
+    return model, local, mesh
 
 
 def _run(cfg: TrainConfig, ctx: Any, smesh: Any, models: Any, args: Any, split: list[int], tokens: Any
@@ -221,11 +234,11 @@ def _run(cfg: TrainConfig, ctx: Any, smesh: Any, models: Any, args: Any, split: 
     device = _device()
     amp = _autocast_dtype(cfg.training.dtype, device)
     family = cfg.model.family
-    model, local = _build_stage(cfg, models, args, split, stage, n_stages, device, amp, smesh)
-    shard_group = smesh.shard_group if smesh is not None else None
+    model, local, mesh = _build_stage(cfg, ctx, models, args, split, stage, n_stages, device, amp, smesh)
     opt = build_optimizer(model, cfg.optim)
     sched = build_scheduler(opt, cfg.optim, cfg.training.steps)
-    stream = TokenStream(tokens, cfg.data.seq_len, cfg.data.batch_size, dp_rank, dp_size, cfg.training.seed)
+    stream = TokenStream(tokens, cfg.data.seq_len, cfg.data.batch_size, dp_rank, dp_size, cfg.training.seed,
+                         vocab_size=args.vocab_size)
     n_mb = cfg.parallel.microbatches
     mb, seq = cfg.data.batch_size // n_mb, cfg.data.seq_len
     runner = None
@@ -235,25 +248,33 @@ def _run(cfg: TrainConfig, ctx: Any, smesh: Any, models: Any, args: Any, split: 
         logits = torch.zeros(mb, seq, args.vocab_size, device=device)
         runner = PipelineRunner(local, stage, n_stages, ctx.pp_group, n_mb, cfg.parallel.schedule, _loss_fn,
                                 device, ids if stage == 0 else hidden, logits if stage == n_stages - 1 else hidden,
-                                autocast_dtype=amp)
+                                autocast_dtype=amp, tp_mesh=mesh)
     folder = cfg.checkpoint.folder or f"{cfg.metrics.run_dir}/checkpoints"
     meta = {"family": family, "flavour": cfg.model.flavour, "layers_per_stage": split, "dp": dp_size,
-            "dp_shard": cfg.parallel.dp_shard}
+            "dp_shard": cfg.parallel.dp_shard, "tp": cfg.parallel.tp}
+    # Unsharded: the stage's first replica writes (tp rank 0, after its tp ranks gather each DTensor);
+    # sharded: the first replica group writes, each shard owner its own part.
     part = part_name(stage, smesh.shard_rank if smesh is not None else None)
-    writer = (smesh.replicate_rank if smesh is not None else dp_rank) == 0
+    if smesh is not None:
+        writer = smesh.replicate_rank == 0
+    else:
+        writer = dp_rank == 0 and (ctx is None or ctx.tp_rank == 0)
     start = 0
     # A rank restarted by torchrun (--max-restarts) resumes by itself: it loses at most one interval.
     resume = cfg.checkpoint.resume or not faults.first_attempt()
-    path = checkpoint.latest(folder) if resume else None
+    path = checkpoint.latest(folder, warn=_warn if rank == 0 else None) if resume else None
     if resume and path is None and rank == 0:
         print(f"no complete checkpoint in {folder}; starting from step 0", flush=True)
     if path is not None:
         checkpoint.check_meta(path, meta)
         state = checkpoint.training_state(model, opt, stage)
-        shards: dict[str, list[int]] = {}
-        loaded = to_local(state, shards)  # DTensor shards are filled in place; the rest comes back in `loaded`
-        extra = checkpoint.load(path, loaded, rank, shard=part)
-        checkpoint.apply_training_state(model, opt, stage, merge_loaded(state, loaded))
+        if smesh is None:  # tp DTensors read their slices of the whole tensors
+            extra = checkpoint.load(path, state, rank, shard=part)
+            checkpoint.apply_training_state(model, opt, stage, state)
+        else:  # FSDP shards are filled in place from this shard's own part; the rest comes back in `loaded`
+            loaded = to_local(state, {})
+            extra = checkpoint.load(path, loaded, rank, shard=part)
+            checkpoint.apply_training_state(model, opt, stage, merge_loaded(state, loaded))
         sched.load_state_dict(extra["sched"])
         stream.load_state_dict(extra["data"])
         checkpoint.set_rng_state(extra["rng"])
@@ -263,7 +284,10 @@ def _run(cfg: TrainConfig, ctx: Any, smesh: Any, models: Any, args: Any, split: 
     devices = [ctx.view[r].device for r in range(ctx.world_size)] if ctx else [
         torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"]
     metrics = StepMetrics(cfg.metrics.run_dir, rank, float(args.flops_per_token(seq)), cluster_peak_flops(devices),
-                          cfg.metrics.log_every, cfg.metrics.tensorboard, fresh=start == 0)
+                          cfg.metrics.log_every, cfg.metrics.tensorboard, start_step=start)
+    # one step line per job: the last stage's first replica, whose step ends last
+    if rank == (ctx.layout.mesh[-1][0][0] if ctx else 0):
+        metrics.console = StepConsole(cfg.training.steps, start, cfg.metrics.log_every)
     meter = _XvendorMeter(ctx, runner)
     pp_name = ctx.my_group_name("pp") if ctx else None
     dp_name = ctx.my_group_name("dp") if ctx else None
@@ -301,7 +325,7 @@ def _run(cfg: TrainConfig, ctx: Any, smesh: Any, models: Any, args: Any, split: 
                 dp_bytes = tensor_bytes(grads) if smesh.replicate_spans_vendors else 0
         dp_s = time.perf_counter() - td
         with _during(rank, step + 1, "global gradient norm", pp_name):
-            norm = clip_global_norm(model, cfg.optim.grad_clip, ctx.pp_group if ctx else None, n_stages, shard_group)
+            norm = clip_global_norm(model, cfg.optim.grad_clip, ctx.pp_group if ctx else None, n_stages)
         lr = opt.param_groups[0]["lr"]
         opt.step()
         sched.step()
@@ -317,18 +341,25 @@ def _run(cfg: TrainConfig, ctx: Any, smesh: Any, models: Any, args: Any, split: 
         metrics.log(step + 1, float(loss_t), ntok, time.perf_counter() - t0, lr, norm, comm_s, comm_bytes)
         every = cfg.checkpoint.every
         if (every and (step + 1) % every == 0) or step + 1 == cfg.training.steps:
-            shards = {}
-            state = to_local(checkpoint.training_state(model, opt, stage), shards)
+            shards: dict[str, list[int]] = {}
+            state = checkpoint.training_state(model, opt, stage)
             extra = {"step": step + 1, "sched": sched.state_dict(), "data": stream.state_dict(),
                      "rng": checkpoint.rng_state()}
-            if smesh is not None:
+            if smesh is not None:  # local shards, no gather; their layout goes into this rank's JSON
+                state = to_local(state, shards)
                 extra["shards"] = {"part": part, "dim": 0, "count": smesh.dp_shard, "tensors": shards}
             checkpoint.save(folder, step + 1, state, extra, meta, rank, shard=part, writer=writer)
+            if rank == 0:
+                checkpoint.prune(folder, cfg.checkpoint.keep_last)
+        report_step(step + 1)  # for the launcher's sentence if this rank dies; no-op outside bimetal's launcher
         faults.after_step(rank, step + 1)  # fault injection for the reliability tests; no-op unless configured
     if cfg.checkpoint.export_hf:
         export_model(model, family, args, split, ctx, cfg.checkpoint.export_hf)
-    transport = ctx.spec(ctx.my_group_name("pp")).backend if runner is not None else "none"
+    # the transports as built (a device-direct group that fell back reports cpu-forward and why)
+    transport = ctx.built_backend(pp_name) if runner is not None else "none"
     dp_x = "none"
     if meter.dp:
-        dp_x = ctx.spec(ctx.my_group_name("dp")).backend + (" (hierarchical)" if ctx.hierarchical else " (flat)")
-    return metrics.summary(transport, meter.source if meter.active else "none", dp_x)
+        dp_x = ctx.built_backend(dp_name) + (" (hierarchical)" if ctx.hierarchical else " (flat)")
+    summary = metrics.summary(transport, meter.source if meter.active else "none", dp_x,
+                              fallback=ctx.fallbacks.get(pp_name or "", "") if ctx else "")
+    return summary

@@ -11,9 +11,13 @@ Both lengths are bounded, so a malformed frame closes that one connection instea
 
 Set-up: every rank listens on its device-direct host (never on all addresses) and publishes host, port and a
 random token in the group store; the lower rank of each pair connects and sends a hello with its rank and the
-listener's token; a listener keeps only the ranks it expects with the right token (a stray connection is
-dropped, the set-up goes on). Sends never block the proxy: each peer has an outbound buffer, flushed whenever
-its socket is writable, so two proxies that send to each other at once cannot deadlock.
+listener's token; a listener keeps only the ranks it expects with the right token. A stray connection cannot
+hold the set-up up: hellos are read side by side without blocking, one that is wrong is dropped at once and
+one that does not come within a couple of seconds is closed; once every expected rank is in, the listener is
+closed, so later connections are refused rather than left in its backlog.
+
+Sends never block the proxy: each peer has an outbound buffer, flushed whenever its socket is writable, so two
+proxies that send to each other at once cannot deadlock.
 
 A connection that ends (EOF or a reset) marks its peer closed with the reason; the proxy fails that peer's ops
 at once, which is how a killed peer is noticed long before any timeout.
@@ -36,6 +40,7 @@ _HEADER = struct.Struct("!II")
 _MAX_NOTE = 64 << 10
 _RECV_BYTES = 1 << 20
 _FLUSH_ON_CLOSE_S = 5.0
+_HELLO_S = 2.0  # an accepted connection must present its hello within this, or it is closed
 
 
 class ControlChannel:
@@ -73,38 +78,48 @@ class ControlChannel:
                 raise TransportError(f"device-direct control connection to group rank {peer} at {where!r} failed: "
                                      f"{exc}") from exc
             self._adopt(peer, sock)
-        expected = {p for p in peers if p < self.rank}
-        while expected:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TransportTimeout(f"device-direct control set-up: group ranks {sorted(expected)} did not "
-                                       f"connect within {timeout:.0f} s")
-            self._listener.settimeout(left)
-            try:
-                sock, _ = self._listener.accept()
-            except TimeoutError:
-                continue
-            peer = self._hello(sock, left)
-            if peer in expected:
-                expected.discard(peer)
-                self._adopt(peer, sock)
-            else:
-                sock.close()  # a stranger, a wrong token or a duplicate: dropped, the set-up goes on
+        self._accept({p for p in peers if p < self.rank}, deadline, timeout)
 
-    def _hello(self, sock: socket.socket, timeout: float) -> int:
-        sock.settimeout(min(timeout, 10.0))
+    def _accept(self, expected: set[int], deadline: float, timeout: float) -> None:
+        """Take the hellos of ``expected`` ranks; strangers and late connections never hold the set-up up.
+
+        Every accepted connection gets ``_HELLO_S`` to present a hello with the token, read without blocking
+        beside the others; one that says nothing, a wrong token or a duplicate is closed. When the set-up is
+        done the listener is closed, so a later connection is refused instead of waiting in the backlog.
+        """
+        pending: dict[socket.socket, tuple[float, bytearray]] = {}
+        self._listener.setblocking(False)
         try:
-            head = _recv_exact(sock, _HEADER.size)
-            size, payload = _HEADER.unpack(head)
-            if size > 1024 or payload:
-                return -1
-            note = json.loads(_recv_exact(sock, size))
-        except (OSError, ValueError):
-            return -1
-        if not isinstance(note, dict) or note.get("token") != self._token:
-            return -1
-        peer = note.get("hello")
-        return peer if isinstance(peer, int) and not isinstance(peer, bool) else -1
+            while expected:
+                now = time.monotonic()
+                if now >= deadline:
+                    raise TransportTimeout(f"device-direct control set-up: group ranks {sorted(expected)} did not "
+                                           f"connect within {timeout:.0f} s")
+                for sock in [s for s, (until, _) in pending.items() if until <= now]:
+                    del pending[sock]
+                    sock.close()  # no hello in time: a stranger (or a stuck peer) does not stall the others
+                wake = min([deadline, *(until for until, _ in pending.values())])
+                ready, _, _ = select.select([self._listener, *pending], [], [], max(wake - now, 0.0))
+                for sock in ready:
+                    if sock is self._listener:
+                        with contextlib.suppress(BlockingIOError, InterruptedError):
+                            conn, _ = self._listener.accept()
+                            conn.setblocking(False)
+                            pending[conn] = (time.monotonic() + _HELLO_S, bytearray())
+                        continue
+                    peer = _read_hello(sock, pending[sock][1], self._token)
+                    if peer is None:
+                        continue  # hello not complete yet
+                    del pending[sock]
+                    if peer in expected:
+                        expected.discard(peer)
+                        self._adopt(peer, sock)
+                    else:
+                        sock.close()  # a stranger, a wrong token or a duplicate: dropped, the set-up goes on
+        finally:
+            for sock in pending:
+                sock.close()
+            self._listener.close()
 
     def _adopt(self, peer: int, sock: socket.socket) -> None:
         sock.setblocking(False)
@@ -207,11 +222,35 @@ def _frame(note: dict[str, Any], payload: bytes) -> bytes:
     return _HEADER.pack(len(body), len(payload)) + body + payload
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    data = bytearray()
-    while len(data) < n:
-        part = sock.recv(n - len(data))
-        if not part:
-            raise ConnectionError("connection closed during the hello")
-        data += part
-    return bytes(data)
+def _read_hello(sock: socket.socket, buf: bytearray, token: str) -> int | None:
+    """Read what is there of a hello into ``buf`` (never past its end): None while incomplete, -1 if bad."""
+    try:
+        want = _HEADER.size - len(buf)
+        if want <= 0:
+            size, payload = _HEADER.unpack_from(buf)
+            if size > 1024 or payload:
+                return -1
+            want = _HEADER.size + size - len(buf)
+        part = sock.recv(want)
+    except (BlockingIOError, InterruptedError):
+        return None
+    except OSError:
+        return -1
+    if not part:
+        return -1
+    buf += part
+    if len(buf) < _HEADER.size:
+        return None
+    size, payload = _HEADER.unpack_from(buf)
+    if size > 1024 or payload:
+        return -1
+    if len(buf) < _HEADER.size + size:
+        return None
+    try:
+        note = json.loads(bytes(buf[_HEADER.size:]))
+    except ValueError:
+        return -1
+    if not isinstance(note, dict) or note.get("token") != token:
+        return -1
+    peer = note.get("hello")
+    return peer if isinstance(peer, int) and not isinstance(peer, bool) else -1

@@ -1,0 +1,162 @@
+"""Every ``BIMETAL_*`` environment variable a user may set, checked in one place before any rank starts.
+
+The readers stay where they are used (``comm/striping.py``, ``comm/device_direct``, ``faults.py``, ...); this
+table mirrors their accepted values so that ``bimetal train``/``bimetal launch`` refuse a bad value with one
+sentence naming the variable before any process is started, and a rank started by torchrun refuses it at its
+entry point instead of deep inside group creation. A variable bimetal does not know is named in a warning
+(a misspelt one would otherwise be ignored silently).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import math
+import os
+from collections.abc import Callable, Mapping
+
+from bimetal.errors import UserError
+
+Check = Callable[[str, str], None]
+
+
+def _integer(least: int, most: int | None = None) -> Check:
+    def check(name: str, raw: str) -> None:
+        try:
+            value = int(raw.strip())
+        except ValueError:
+            value = None
+        if value is None or value < least or (most is not None and value > most):
+            bounds = f"an integer from {least} to {most}" if most is not None else f"an integer >= {least}"
+            raise UserError(f"{name}={raw!r} is not valid; set it to {bounds}.")
+    return check
+
+
+def _number(least: float) -> Check:
+    def check(name: str, raw: str) -> None:
+        try:
+            value = float(raw.strip())
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or value < least:
+            raise UserError(f"{name}={raw!r} is not valid; set it to a number >= {least:g} (seconds).")
+    return check
+
+
+def _choice(*allowed: str) -> Check:
+    def check(name: str, raw: str) -> None:
+        if raw.strip().lower() not in allowed:
+            raise UserError(f"{name}={raw!r} is not valid; set it to one of {', '.join(allowed)}.")
+    return check
+
+
+def _simulate(name: str, raw: str) -> None:
+    from bimetal.topology.vendor import parse_simulate
+
+    try:
+        parse_simulate(raw)
+    except UserError as exc:
+        raise UserError(f"{name}: {exc}") from None
+
+
+def _interfaces(name: str, raw: str) -> None:
+    names = raw.split(",")
+    if not all(n.strip() for n in names):
+        raise UserError(f"{name}={raw!r} is not valid; give interface names separated by commas, e.g. eth0,eth1.")
+
+
+def _host(name: str, raw: str) -> None:
+    try:
+        ipaddress.ip_address(raw.strip())
+    except ValueError:
+        raise UserError(f"{name}={raw!r} is not an IP address; set it to the address the engine should listen on.") \
+            from None
+
+
+def _device(name: str, raw: str) -> None:
+    import torch
+
+    try:
+        torch.device(raw.strip())
+    except RuntimeError:
+        raise UserError(f"{name}={raw!r} is not a torch device; use e.g. cpu or cuda:0.") from None
+
+
+def _fields(count: int, shape: str) -> Check:
+    def check(name: str, raw: str) -> None:
+        parts = raw.strip().split(":")
+        try:
+            values = [float(p) for p in parts]
+        except ValueError:
+            values = []
+        if len(values) != count or any(v < 0 or not math.isfinite(v) for v in values) or \
+                any(v != int(v) for v in values[:2]):
+            raise UserError(f"{name}={raw!r} is not valid; write {shape}.")
+    return check
+
+
+def _nonempty(name: str, raw: str) -> None:
+    if not raw.strip():
+        raise UserError(f"{name} is set but empty; unset it or give a value.")
+
+
+def _json_object(name: str, raw: str) -> None:
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise UserError(f"{name} is not a JSON object; it maps setting names to values.")
+
+
+VARIABLES: dict[str, Check] = {
+    "BIMETAL_SIMULATE": _simulate,
+    "BIMETAL_VENDOR": _choice("nvidia", "amd"),
+    "BIMETAL_CF_STRIPES": _integer(1, 62),
+    "BIMETAL_CF_IFACES": _interfaces,
+    "BIMETAL_CF_CHUNK_BYTES": _integer(1024),
+    "BIMETAL_CF_POOL_BUFFERS": _integer(2),
+    "BIMETAL_CF_CHECKSUM": _choice("0", "1"),
+    "BIMETAL_CF_STALL_S": _number(0.0),
+    "BIMETAL_DD_PROTOCOL": _choice("rdma", "tcp", "auto"),
+    "BIMETAL_DD_ENGINE": _choice("mooncake"),
+    "BIMETAL_DD_HOST": _host,
+    "BIMETAL_DD_CHUNK_BYTES": _integer(1),
+    "BIMETAL_DD_SLOTS": _integer(1),
+    "BIMETAL_DD_WINDOW": _integer(1),
+    "BIMETAL_DD_INLINE_BYTES": _integer(0, 256 << 10),
+    "BIMETAL_DD_FALLBACK": _choice("error", "cpu-forward"),
+    "BIMETAL_DD_DEVICE": _device,
+    "BIMETAL_THREADS": _integer(1),
+    "BIMETAL_HOST": _nonempty,
+    "BIMETAL_LAB": _nonempty,
+    "BIMETAL_LAB_NICS": _interfaces,
+    "BIMETAL_LAB_RANK_ENV": _json_object,
+    "BIMETAL_FAULT_KILL": _fields(2, "rank:step, e.g. 3:6"),
+    "BIMETAL_FAULT_STALL": _fields(3, "rank:step:seconds, e.g. 3:3:300"),
+    "BIMETAL_TRACEBACK": _choice("0", "1"),
+    "BIMETAL_LAUNCH_REPORT": _nonempty,
+}
+"""Variable -> check; each check raises ``UserError`` naming the variable and the values it takes."""
+
+
+def check_environment(env: Mapping[str, str] | None = None) -> list[str]:
+    """Refuse the first bad ``BIMETAL_*`` value in one sentence; returns the ``BIMETAL_*`` names bimetal does not
+    know (the caller warns about them once per job)."""
+    env = os.environ if env is None else env
+    unknown = []
+    for name in sorted(env):
+        if not name.startswith("BIMETAL_"):
+            continue
+        check = VARIABLES.get(name)
+        if check is None:
+            unknown.append(name)
+        elif env[name] != "":
+            check(name, env[name])
+    return unknown
+
+
+def unknown_warning(names: list[str]) -> str:
+    """The one-line warning about variables bimetal does not read."""
+    return (f"bimetal does not know the environment variable(s) {', '.join(names)}; they have no effect "
+            "(the README lists the variables it reads).")

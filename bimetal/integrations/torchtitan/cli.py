@@ -1,0 +1,229 @@
+"""``bimetal titan`` / ``python -m bimetal.integrations.torchtitan``: torchtitan's trainer across vendors.
+
+    bimetal titan --module llama3 --config llama3_debugmodel --simulate nvidia:2,amd:2 \\
+        --layers-per-stage 4,2 --parallelism.pipeline_parallel_degree 2 [torchtitan overrides...]
+
+bimetal's own options are listed below; every other argument is torchtitan's (``--module``, ``--config``,
+``--section.key value``) and goes to torchtitan's ``ConfigManager`` unchanged. With ``--simulate`` this
+process checks the mesh, generates the CPU assets and starts one rank per simulated GPU (through torchrun);
+without it, this process is one rank of a job started by ``torchrun`` (a real cluster).
+Precedence: torchtitan CLI overrides > ``--plan`` file > the ``--config`` function's values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from bimetal.errors import UserError
+from bimetal.integrations.torchtitan.split import module_fqns_per_model_part, parse_split
+
+ASSETS_ENV = "BIMETAL_TITAN_ASSETS"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="bimetal titan", description=__doc__.splitlines()[0], add_help=True)
+    p.add_argument("--simulate", help="simulated vendors by global rank, e.g. nvidia:2,amd:2 (CPU, this machine)")
+    p.add_argument("--cpu", action="store_true", help="install the CPU stand-ins without simulating (one rank)")
+    p.add_argument("--pp-transport", choices=("cpu-forward", "device-direct"),
+                   help="transport of pp groups that span vendors (default: cpu-forward, or the --plan file's)")
+    p.add_argument("--layers-per-stage", help="uneven layer split, one count per pipeline rank, e.g. 4,2")
+    p.add_argument("--plan", help="a `bimetal plan --write-titan` file: torchtitan overrides and the split")
+    p.add_argument("--all-gloo", action="store_true",
+                   help="reference run: every group on plain Gloo, no vendor rules (with --simulate only)")
+    p.add_argument("--assets", help="folder for the generated CPU tokenizer and dataset (default: "
+                                    "<dump_folder>/bimetal_assets)")
+    return p
+
+
+def _given(args: list[str], key: str) -> bool:
+    return any(a == f"--{key}" or a.startswith(f"--{key}=") for a in args)
+
+
+def _read_plan(path: str | None) -> dict[str, Any]:
+    if not path:
+        return {}
+    try:
+        return tomllib.loads(Path(path).read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise UserError(f"cannot read the plan file {path!r}: {exc}") from exc
+
+
+def _plan_args(plan: dict[str, Any], titan_args: list[str]) -> list[str]:
+    """The plan's scalar torchtitan overrides as CLI arguments, for keys the command line does not set."""
+    out = []
+    for key, value in plan.get("torchtitan", {}).items():
+        if key == "parallelism.module_fqns_per_model_part" or _given(titan_args, key):
+            continue
+        if isinstance(value, bool):  # torchtitan's parser takes booleans as --a.b / --a.no-b
+            section, _, name = key.rpartition(".")
+            out.append(f"--{key}" if value else f"--{section}.no-{name}")
+            continue
+        out.append(f"--{key}={value}")
+    for flag in ("module", "config"):
+        if flag in plan.get("bimetal", {}) and not _given(titan_args, flag):
+            out.append(f"--{flag}={plan['bimetal'][flag]}")
+    return out
+
+
+def _dump_folder(titan_args: list[str]) -> str:
+    for i, a in enumerate(titan_args):
+        if a.startswith("--dump_folder="):
+            return a.split("=", 1)[1]
+        if a == "--dump_folder" and i + 1 < len(titan_args):
+            return titan_args[i + 1]
+    return "./outputs"
+
+
+def load_config(titan_args: list[str], cpu: bool, split: list[int] | None) -> Any:
+    """torchtitan's config from its own parser, then the split (recomputed for the schedule in use: a plan's
+    per-rank counts also fit an interleaved run) and, on CPU, the attention stand-in."""
+    from torchtitan.config import ConfigManager
+
+    try:
+        config = ConfigManager().parse_args(titan_args)
+    except SystemExit as exc:
+        raise UserError(f"torchtitan did not accept the arguments {' '.join(titan_args)!r}") from exc
+    except (ValueError, ImportError) as exc:
+        raise UserError(f"torchtitan: {exc}") from exc
+    par = config.parallelism
+    if split is not None:
+        from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+
+        if len(split) != par.pipeline_parallel_degree:
+            raise UserError(f"--layers-per-stage has {len(split)} entries but parallelism.pipeline_parallel_degree "
+                            f"is {par.pipeline_parallel_degree}; give one layer count per pipeline rank")
+        try:
+            single = issubclass(get_schedule_class(par.pipeline_parallel_schedule), PipelineScheduleSingle)
+        except ValueError as exc:
+            raise UserError(f"parallelism.pipeline_parallel_schedule: {exc}") from exc
+        n_layers = len(config.model_spec.model.layers)
+        par.module_fqns_per_model_part = module_fqns_per_model_part(
+            n_layers, split, 1 if single else 2, par.pipeline_parallel_schedule)
+    if cpu:
+        from bimetal.integrations.torchtitan import cpu_support
+
+        cpu_support.use_sdpa_attention(config.model_spec.model)
+    return config
+
+
+def check_supported(config: Any, world: int) -> None:
+    """Refuse, in one sentence, a combination measured to fail with torch 2.13 (rather than a traceback later)."""
+    import torch
+
+    par = config.parallelism
+    rest = par.pipeline_parallel_degree * par.data_parallel_replicate_degree * par.context_parallel_degree
+    shard = par.data_parallel_shard_degree if par.data_parallel_shard_degree > 0 else world // max(
+        rest * par.tensor_parallel_degree, 1)
+    if shard > 1 and par.spmd_backend == "spmd_types" and torch.__version__.startswith("2.13"):
+        raise UserError("FSDP (data_parallel_shard_degree > 1) with parallelism.spmd_backend=spmd_types fails inside "
+                        "fully_shard on torch 2.13 with torchtitan 0.3.0; pass "
+                        "--parallelism.spmd_backend=partial_dtensor")
+
+
+def _module_name(titan_args: list[str]) -> str:
+    for i, a in enumerate(titan_args):
+        if a.startswith("--module="):
+            return a.split("=", 1)[1]
+        if a == "--module" and i + 1 < len(titan_args):
+            return titan_args[i + 1]
+    raise UserError("--module is required, e.g. --module llama3 --config llama3_debugmodel")
+
+
+def main(argv: list[str]) -> int:
+    opts, titan_args = build_parser().parse_known_args(argv)
+    if opts.all_gloo and not opts.simulate and not os.environ.get("BIMETAL_SIMULATE"):
+        raise UserError("--all-gloo is a reference for simulated runs; it needs --simulate")
+    plan = _read_plan(opts.plan)
+    titan_args = _plan_args(plan, titan_args) + titan_args
+    split = parse_split(opts.layers_per_stage) if opts.layers_per_stage else None
+    if split is None and plan.get("bimetal", {}).get("layers_per_stage"):
+        split = [int(x) for x in plan["bimetal"]["layers_per_stage"]]
+    pp_transport = opts.pp_transport or plan.get("bimetal", {}).get("pp_transport", "cpu-forward")
+    if opts.simulate:
+        return _launch_simulated(opts, titan_args, split, pp_transport)
+    return run_rank(titan_args, cpu=opts.cpu or bool(os.environ.get("BIMETAL_SIMULATE")), split=split,
+                    pp_transport=pp_transport, all_gloo=opts.all_gloo)
+
+
+def _launch_simulated(opts: argparse.Namespace, titan_args: list[str], split: list[int] | None,
+                      pp_transport: str) -> int:
+    from bimetal.integrations.torchtitan import cpu_support
+    from bimetal.integrations.torchtitan.mesh import preflight
+    from bimetal.launch import launch
+    from bimetal.topology.vendor import parse_simulate
+
+    try:
+        vendors = parse_simulate(opts.simulate)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    cpu_support.install(_module_name(titan_args))
+    assets = Path(opts.assets or Path(_dump_folder(titan_args)) / "bimetal_assets")
+    tok_dir, data_dir = cpu_support.write_assets(assets)
+    if not _given(titan_args, "hf_assets_path"):
+        titan_args = [f"--hf_assets_path={tok_dir}"] + titan_args
+    if not _given(titan_args, "dataloader.dataset_path"):
+        titan_args = [f"--dataloader.dataset_path={data_dir}"] + titan_args
+    if not _given(titan_args, "training.disable_cuda_graphs"):  # no CUDA graphs on CPU
+        titan_args = ["--training.disable_cuda_graphs"] + titan_args
+    config = load_config(titan_args, cpu=True, split=split)
+    check_supported(config, len(vendors))
+    par = config.parallelism
+    degrees = {"pp": par.pipeline_parallel_degree, "dp_replicate": par.data_parallel_replicate_degree,
+               "dp_shard": par.data_parallel_shard_degree, "cp": par.context_parallel_degree,
+               "tp": par.tensor_parallel_degree}
+    if not opts.all_gloo:
+        preflight(degrees, vendors, pp_transport, simulated=True)
+    rank_argv = ["-m", "bimetal.integrations.torchtitan", f"--pp-transport={pp_transport}"]
+    if split is not None:
+        rank_argv.append(f"--layers-per-stage={','.join(map(str, split))}")
+    if opts.all_gloo:
+        rank_argv.append("--all-gloo")
+    code = launch(rank_argv + titan_args, simulate=opts.simulate,
+                  extra_env={"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    return code
+
+
+def run_rank(titan_args: list[str], cpu: bool, split: list[int] | None, pp_transport: str,
+             all_gloo: bool = False) -> int:
+    """One rank: torchtitan's training loop (as its ``train.main``) on a ``BimetalTrainer``."""
+    import torch
+
+    if cpu:
+        from bimetal.integrations.torchtitan import cpu_support
+
+        torch.set_num_threads(1)
+        cpu_support.install(_module_name(titan_args))
+    from torchtitan.tools.logging import init_logger
+
+    from bimetal.integrations.torchtitan import _torch_compat
+    from bimetal.integrations.torchtitan.trainer import BimetalOptions, BimetalTrainer
+
+    _torch_compat.install()
+    init_logger()
+    config = load_config(titan_args, cpu=cpu, split=split)
+    check_supported(config, int(os.environ.get("WORLD_SIZE", "1")))
+    trainer = None
+    try:
+        trainer = BimetalTrainer(config, BimetalOptions(pp_transport=pp_transport, all_gloo=all_gloo, cpu=cpu))
+        trainer.train()
+        trainer.report()
+    finally:
+        if trainer is not None:
+            trainer.close()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    return 0
+
+
+def rank_main() -> int:
+    """``python -m bimetal.integrations.torchtitan``: errors a user can cause end in one sentence, exit 2."""
+    try:
+        return main(sys.argv[1:])
+    except UserError as exc:
+        print(f"bimetal titan: {exc}", file=sys.stderr, flush=True)
+        return 2

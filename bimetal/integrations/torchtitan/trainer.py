@@ -1,0 +1,123 @@
+"""torchtitan's own ``Trainer``, started on bimetal's world and mesh back-ends.
+
+Public extension points only, apart from ``_torch_hooks``:
+
+* ``BimetalTrainer`` overrides ``Trainer.init_distributed`` (a method torchtitan keeps overridable): bimetal
+  creates the world group on a back-end that can span vendors before torchtitan would create one with
+  NCCL/RCCL, learns every rank's vendor over the store, and returns a ``BimetalParallelDims``;
+* ``BimetalParallelDims`` subclasses torchtitan's ``ParallelDims``: ``build_mesh`` runs torchtitan's own
+  mesh construction while ``_torch_hooks.mesh_backends`` gives each dimension its back-end, then rank 0
+  prints the group table. The mesh is built eagerly, so a refused dimension stops the job before the model.
+
+After training, ``report`` writes ``<dump_folder>/bimetal/rank<r>.json``: per-step losses (on ranks that
+hold the last stage), and every mesh dimension's back-end, ranks and (for bimetal transports) byte counters.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torchtitan.distributed import ParallelDims
+from torchtitan.trainer import Trainer
+
+from bimetal.comm.registry import CPU_FORWARD, register_backends
+from bimetal.integrations.torchtitan import cpu_support
+from bimetal.integrations.torchtitan._torch_hooks import mesh_backends
+from bimetal.integrations.torchtitan.mesh import MeshBackends
+from bimetal.parallel.context import _init_world
+from bimetal.topology.exchange import exchange_topology
+from bimetal.topology.vendor import detect_vendor, is_simulated
+
+
+@dataclass
+class BimetalOptions:
+    """What ``bimetal titan`` adds to a torchtitan job."""
+
+    pp_transport: str = "cpu-forward"
+    """Transport of cross-vendor pp groups: ``cpu-forward`` or ``device-direct``."""
+    all_gloo: bool = False
+    """Reference run: every group on plain Gloo, no vendor rules (simulation only)."""
+    cpu: bool = False
+    """CPU stand-ins are installed (``cpu_support``): FSDP then reduces with SUM (no PREMUL_SUM in Gloo)."""
+
+
+class BimetalParallelDims(ParallelDims):
+    """torchtitan's ``ParallelDims`` whose mesh dimensions get bimetal's per-dimension back-ends."""
+
+    backends: MeshBackends
+
+    def build_mesh(self) -> Any:
+        with mesh_backends(self.backends):
+            mesh = super().build_mesh()
+        if dist.get_rank() == 0:
+            print("bimetal groups (torchtitan mesh):\n" + self.backends.table(), flush=True)
+        return mesh
+
+
+def world_backend(vendor: str) -> str:
+    """A world group that can span vendors: Gloo for CPU tensors; CUDA tensors through cpu-forward."""
+    if is_simulated() or vendor == "cpu":
+        return "gloo"
+    return f"cpu:gloo,cuda:{CPU_FORWARD}"
+
+
+class BimetalTrainer(Trainer):
+    """torchtitan's trainer on a bimetal world; everything else is torchtitan's."""
+
+    def __init__(self, config: Any, options: BimetalOptions | None = None) -> None:
+        self.bimetal = options or BimetalOptions()
+        self.losses: list[dict[str, float]] = []
+        super().__init__(config)
+        if self.bimetal.cpu:
+            cpu_support.sum_reduction_for_fsdp(self.model_parts)
+        log = self.metrics_processor.log
+
+        def log_and_keep(step: int, global_avg_loss: float, *args: Any, **kwargs: Any) -> Any:
+            self.losses.append({"step": step, "loss": float(global_avg_loss)})
+            return log(step, global_avg_loss, *args, **kwargs)
+
+        self.metrics_processor.log = log_and_keep  # type: ignore[method-assign]
+
+    def init_distributed(self) -> ParallelDims:
+        timeout = timedelta(seconds=self.config.comm.init_timeout_seconds)
+        register_backends()
+        torch.autograd.set_multithreading_enabled(False)  # as torchtitan's own init_distributed does
+        vendor = detect_vendor(int(os.environ.get("RANK", "0")))
+        if not dist.is_initialized():
+            _init_world("gloo" if self.bimetal.all_gloo else world_backend(vendor), timeout)
+        rank, world = dist.get_rank(), dist.get_world_size()
+        view = exchange_topology(dist.distributed_c10d._get_default_store(), rank, world, timeout)
+        if rank == 0:
+            print("bimetal cluster view:\n" + view.format_table(), flush=True)
+        dims = BimetalParallelDims.from_config(self.config.parallelism, world)
+        assert isinstance(dims, BimetalParallelDims)
+        dims.backends = MeshBackends([view.vendor_of(r) for r in range(world)], self.bimetal.pp_transport,
+                                     simulated=is_simulated(), all_gloo=self.bimetal.all_gloo)
+        dims.build_mesh()
+        return dims
+
+    def report(self) -> Path:
+        """Write this rank's losses and mesh groups (back-end, ranks, byte counters) as JSON; returns the path."""
+        groups: dict[str, Any] = {}
+        for name, mesh in self.parallel_dims.get_all_one_dimensional_meshes().items():
+            pg = mesh.get_group()
+            counters = getattr(pg, "counters", None)
+            groups[name] = {
+                "backend": str(dist.get_backend(pg)),
+                "ranks": dist.get_process_group_ranks(pg),
+                "counters": counters.snapshot() if counters is not None else None,
+            }
+        rank = dist.get_rank()
+        last = self.pp_has_last_stage if self.parallel_dims.pp_enabled else True
+        out = Path(self.config.dump_folder) / "bimetal" / f"rank{rank}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"rank": rank, "vendor": detect_vendor(rank), "last_stage": bool(last),
+                                   "losses": self.losses if last else [], "groups": groups}, indent=1))
+        return out

@@ -1,0 +1,246 @@
+"""The ranks of one node, started and owned by bimetal (``bimetal launch``/``bimetal train --simulate``).
+
+It keeps torchrun's environment contract (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT,
+TORCHELASTIC_RESTART_COUNT, and a store the launcher hosts for every attempt, ``TORCHELASTIC_USE_AGENT_STORE``)
+so a rank cannot tell it from torchrun, but it owns what torchrun does not let bimetal own:
+
+* **the last word**: a rank that stops on an error writes its one sentence to a report file instead of
+  printing it (``report_outcome``); the launcher prints one sentence for the job - a user error once, not once
+  per rank, exit status 2 - and never torchrun's multi-line child-failure dump;
+* **deaths**: a rank that dies (signal, or an exit without a report) is named with its vendor, how it died
+  and its last completed step (ranks note each step with ``report_step``); the survivors get ``grace_s`` to
+  finish with their own sentence, then they are stopped;
+* **signals**: SIGINT/SIGTERM to the launcher stops every rank it started (each rank runs in its own session
+  and gets SIGKILL if the launcher itself is killed), exit status 128 + signal;
+* **restarts**: with ``max_restarts`` the whole attempt is stopped and started again with the restart count
+  raised; ranks then resume from their newest checkpoint by themselves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+REPORT_ENV = "BIMETAL_LAUNCH_REPORT"
+"""Folder where the ranks of a bimetal-launched attempt leave their outcome and last completed step."""
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _rank() -> int:
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
+def report_step(step: int) -> None:
+    """Rank side: note that this rank completed ``step`` (no-op unless a bimetal launcher started it)."""
+    folder = os.environ.get(REPORT_ENV)
+    if folder:
+        with contextlib.suppress(OSError):  # the launcher is gone or cleaned up: nothing to tell it
+            Path(folder, f"rank-{_rank()}.step").write_text(str(step))
+
+
+def report_outcome(status: int, message: str) -> bool:
+    """Rank side: leave this rank's final sentence for the launcher; False when not bimetal-launched
+    (the caller then prints it itself)."""
+    folder = os.environ.get(REPORT_ENV)
+    if not folder:
+        return False
+    try:
+        tmp = Path(folder, f".rank-{_rank()}.json")
+        tmp.write_text(json.dumps({"status": status, "message": message, "time": time.time()}))
+        tmp.replace(Path(folder, f"rank-{_rank()}.json"))
+    except OSError:
+        return False
+    return True
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _how(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with status {code}"
+
+
+@dataclass
+class _Rank:
+    rank: int
+    vendor: str
+    proc: subprocess.Popen
+    code: int | None = None
+    stopped_by_us: bool = False
+
+    def label(self) -> str:
+        return f"rank {self.rank}" + (f" ({self.vendor})" if self.vendor else "")
+
+
+@dataclass
+class _Outcome:
+    status: int
+    lines: list[str] = field(default_factory=list)
+    restartable: bool = False
+
+
+class RankSupervisor:
+    """Start ``nproc`` copies of ``cmd`` as the ranks of a single-node job and watch them to the end."""
+
+    def __init__(self, cmd: list[str], nproc: int, env: dict[str, str], max_restarts: int = 0,
+                 name: str = "bimetal launch", vendors: list[str] | None = None, grace_s: float = 10.0) -> None:
+        self.cmd, self.nproc, self.env, self.max_restarts = cmd, nproc, env, max_restarts
+        self.name, self.vendors, self.grace_s = name, vendors or [], grace_s
+        self._signal: int | None = None
+        self._ranks: list[_Rank] = []
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self._signal = signum
+
+    def run(self) -> int:
+        """Run the job (restarting it up to ``max_restarts`` times); returns the launcher's exit status."""
+        from torch.distributed import TCPStore
+
+        old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        root = Path(tempfile.mkdtemp(prefix="bimetal-launch-"))
+        try:
+            for attempt in range(self.max_restarts + 1):
+                outcome = self._attempt(attempt, store.port, root / f"attempt{attempt}")
+                if outcome.restartable and attempt < self.max_restarts and self._signal is None:
+                    print(f"{self.name}: {outcome.lines[0].rstrip('.')}; restarting all {self.nproc} ranks "
+                          f"(restart {attempt + 1} of {self.max_restarts}).", file=sys.stderr, flush=True)
+                    continue
+                for line in outcome.lines:
+                    print(f"{self.name}: {line}", file=sys.stderr, flush=True)
+                return outcome.status
+            return 1  # not reached: the last attempt always returns
+        finally:
+            self._stop(self._ranks, 0.0)
+            for s, handler in old.items():
+                signal.signal(s, handler)
+            shutil.rmtree(root, ignore_errors=True)
+            del store
+
+    def _attempt(self, attempt: int, port: int, folder: Path) -> _Outcome:
+        folder.mkdir(parents=True)
+        base = dict(self.env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(self.nproc),
+                    LOCAL_WORLD_SIZE=str(self.nproc), GROUP_RANK="0", GROUP_WORLD_SIZE="1", ROLE_NAME="default",
+                    ROLE_WORLD_SIZE=str(self.nproc), TORCHELASTIC_RESTART_COUNT=str(attempt),
+                    TORCHELASTIC_MAX_RESTARTS=str(self.max_restarts), TORCHELASTIC_RUN_ID="bimetal",
+                    TORCHELASTIC_USE_AGENT_STORE="True", **{REPORT_ENV: str(folder)})
+        self._ranks = []
+        for r in range(self.nproc):
+            env = dict(base, RANK=str(r), LOCAL_RANK=str(r), ROLE_RANK=str(r))
+            proc = subprocess.Popen(self.cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)
+            self._ranks.append(_Rank(r, self.vendors[r] if r < len(self.vendors) else "", proc))
+        ranks = self._ranks
+        deadline: float | None = None
+        restartable = attempt < self.max_restarts
+        while True:
+            if self._signal is not None:
+                self._stop(ranks, 0.0)
+                return self._interrupted(folder)
+            for rk in ranks:
+                if rk.code is None:
+                    rk.code = rk.proc.poll()
+            if all(rk.code == 0 for rk in ranks):
+                return _Outcome(0)
+            failed = [rk for rk in ranks if rk.code not in (None, 0)]
+            if failed and deadline is None:
+                user_error = any(self._report(folder, rk.rank).get("status") == 2 for rk in failed)
+                # restarting or a user error: the survivors have nothing to add; a death: let them say why
+                deadline = time.monotonic() + (0.0 if restartable else 1.0 if user_error else self.grace_s)
+            if deadline is not None and (all(rk.code is not None for rk in ranks) or time.monotonic() > deadline):
+                break
+            time.sleep(0.05)
+        self._stop(ranks, 3.0)
+        return self._verdict(ranks, folder, restartable)
+
+    def _stop(self, ranks: list[_Rank], grace: float) -> None:
+        """SIGTERM every rank still running (its whole session), SIGKILL after ``grace`` seconds."""
+        live = [rk for rk in ranks if rk.proc.poll() is None]
+        for rk in live:
+            rk.stopped_by_us = True
+            self._kill(rk, signal.SIGTERM)
+        end = time.monotonic() + grace
+        while any(rk.proc.poll() is None for rk in live) and time.monotonic() < end:
+            time.sleep(0.05)
+        for rk in live:
+            if rk.proc.poll() is None:
+                self._kill(rk, signal.SIGKILL)
+            rk.proc.wait()
+            rk.code = rk.proc.returncode
+
+    @staticmethod
+    def _kill(rk: _Rank, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(rk.proc.pid, sig)
+
+    @staticmethod
+    def _report(folder: Path, rank: int) -> dict[str, Any]:
+        try:
+            data = json.loads(Path(folder, f"rank-{rank}.json").read_text())
+            return data if isinstance(data, dict) else {}
+        except (OSError, ValueError):
+            return {}
+
+    @staticmethod
+    def _last_step(folder: Path, rank: int) -> int | None:
+        try:
+            return int(Path(folder, f"rank-{rank}.step").read_text())
+        except (OSError, ValueError):
+            return None
+
+    def _steps_text(self, folder: Path, rank: int) -> str:
+        step = self._last_step(folder, rank)
+        if step is not None:
+            return f" after completing step {step}"
+        # a job that counts steps (some rank noted one) but not this rank: it died in its first step
+        return " before completing a step" if any(folder.glob("rank-*.step")) else ""
+
+    def _interrupted(self, folder: Path) -> _Outcome:
+        sig = self._signal or signal.SIGTERM
+        steps = [s for s in (self._last_step(folder, rk.rank) for rk in self._ranks) if s is not None]
+        where = f" (last completed step {min(steps)})" if steps else ""
+        return _Outcome(128 + sig, [f"stopped by {signal.Signals(sig).name}: all {self.nproc} ranks it started are "
+                                    f"stopped{where}."])
+
+    def _verdict(self, ranks: list[_Rank], folder: Path, restartable: bool) -> _Outcome:
+        reports = {rk.rank: self._report(folder, rk.rank) for rk in ranks}
+        user = sorted((rep["time"], rep["message"]) for rep in reports.values()
+                      if rep.get("status") == 2 and isinstance(rep.get("message"), str))
+        if user:  # the same mistake seen by several ranks is one sentence
+            return _Outcome(2, [user[0][1]])
+        dead = [rk for rk in ranks if rk.code not in (None, 0) and not reports[rk.rank] and not rk.stopped_by_us]
+        lines = [f"{rk.label()} {_how(rk.code or 0)}{self._steps_text(folder, rk.rank)}"
+                 + ("." if restartable else "; the job stopped.") for rk in dead]
+        said = sorted((rep.get("time", 0.0), rep["message"]) for rep in reports.values()
+                      if isinstance(rep.get("message"), str))
+        lines += [message for _, message in said]
+        slow = [rk for rk in ranks if rk.stopped_by_us and not reports[rk.rank]]
+        if slow:
+            who = ", ".join(rk.label() for rk in slow)
+            lines.append(f"{who} did not stop within {self.grace_s:g} s of the failure and "
+                         f"{'were' if len(slow) > 1 else 'was'} stopped by the launcher.")
+        if not lines:
+            lines = ["the job stopped for no reason the ranks gave."]
+        return _Outcome(1, lines, restartable=restartable)

@@ -1,0 +1,155 @@
+"""``bimetal train --config F --dry-run``: per-stage memory per GPU against each stage's device, nothing run.
+
+No rank starts, no GPU is touched and nothing is written. Each stage of the layout is the trainer's own
+module on the meta device; its bytes come from ``bimetal.train.memory`` (parameters counted, activations
+measured on fake tensors; the assumptions are listed there). The device of each stage comes from the
+cluster spec named by ``parallel.cluster``: stages take the spec's GPUs in file order, ``pp*dp*tp`` of them,
+as ``bimetal plan`` lays them out. A stage fits when its total is within ``MEMORY_RESERVE`` of the device's
+memory, the same margin the planner leaves. Exit status 0 when every stage fits, 1 when one does not.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from bimetal.errors import UserError
+from bimetal.plan.search import MEMORY_RESERVE
+from bimetal.train.config import TrainConfig
+
+
+@dataclass
+class StageMemory:
+    """Bytes per GPU of one pipeline stage, by part, and the device it must fit."""
+
+    stage: int
+    layers: int
+    in_flight: int
+    device: str
+    capacity: int
+    """Device memory in bytes, 0 when no cluster spec names it."""
+    params: int
+    grads: int
+    optimizer: int
+    weight_copies: int
+    """bf16 copies of weights autocast keeps per microbatch in flight (0 under FSDP or float32)."""
+    activations: int
+    transient: int
+    """The largest short-lived buffers: logits gradient, one recomputed block, FSDP's gathered blocks."""
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.weight_copies + self.activations + self.transient
+
+    @property
+    def fits(self) -> bool | None:
+        return None if not self.capacity else self.total <= self.capacity * MEMORY_RESERVE
+
+
+def stage_devices(cfg: TrainConfig) -> list[tuple[str, int]]:
+    """(GPU part, memory bytes) of each stage from ``parallel.cluster``; ("unknown", 0) without one."""
+    p = cfg.parallel
+    if not p.cluster:
+        return [("unknown", 0)] * p.pp
+    from bimetal.plan.spec import load_spec
+
+    spec = load_spec(p.cluster)
+    width = p.dp * p.tp
+    if p.pp * width != spec.total_gpus:
+        raise UserError(f"parallel.pp*dp*tp = {p.pp}*{p.dp}*{p.tp} = {p.pp * width} GPUs but cluster "
+                        f"{p.cluster} has {spec.total_gpus}; match the layout to the cluster.")
+    owner = [g for g in spec.groups for _ in range(g.gpus)]  # GPU index -> its node group, in file order
+    out = []
+    for j in range(p.pp):
+        groups = {id(g): g for g in owner[j * width:(j + 1) * width]}.values()
+        small = min(groups, key=lambda g: g.memory_bytes)
+        name = small.gpu if len({g.gpu for g in groups}) == 1 else "/".join(sorted({g.gpu for g in groups}))
+        out.append((name, small.memory_bytes))
+    return out
+
+
+def stage_memory(cfg: TrainConfig, stage: int, device: tuple[str, int] = ("unknown", 0)) -> StageMemory:
+    """Measure one stage of ``cfg`` on the meta device (bf16 unless ``training.dtype`` is float32)."""
+    from bimetal import models
+    from bimetal.train.memory import check_tp, measure_stage, param_bytes
+
+    try:
+        args = models.FLAVOURS[cfg.model.family][cfg.model.flavour]
+    except KeyError:
+        known = ", ".join(f"{f}/{v}" for f, vs in models.FLAVOURS.items() for v in vs)
+        raise UserError(f"model {cfg.model.family}/{cfg.model.flavour} is unknown; set model.family and "
+                        f"model.flavour to one of {known}.") from None
+    p, ac = cfg.parallel, cfg.activation_checkpoint
+    check_tp(args, p.tp)
+    split = cfg.stage_split(args.n_layers)
+    first, last = stage == 0, stage == p.pp - 1
+    # The trainer's stage (build_stage without the allocation and init that follow it).
+    start = sum(split[:stage])  # bimetal.train.pipeline.stage_layer_ids, without importing torch's pipelining
+    model = models.prune_to_stage(models.build_model(cfg.model.family, args, device="meta"),
+                                  list(range(start, start + split[stage])), first, last)
+    bf16 = cfg.training.dtype != "float32"
+    mb, seq = cfg.data.batch_size // p.microbatches, cfg.data.seq_len
+    m = measure_stage(model, p.tp, mb, seq, bf16)
+    held, unit = param_bytes(model, p.tp, p.dp_shard)
+    n = split[stage]
+    ckpt = {"none": 0, "full": n, "selective": n // ac.every}[ac.mode]
+    in_flight = p.microbatches if p.schedule == "gpipe" else min(p.microbatches, p.pp - stage)
+    fsdp = p.dp_shard > 1
+    copies = 0 if fsdp else (n - ckpt) * m.block.weight_copies + m.head.weight_copies
+    act = (n - ckpt) * m.block.activations + ckpt * m.block_input + m.rope + m.head.activations + m.output
+    transient = m.logits_grad
+    if ckpt:
+        transient += m.block.activations + (0 if fsdp else m.block.weight_copies)
+    if fsdp:  # two gathered units (current + prefetch) in the compute dtype, one unsharded fp32 gradient
+        transient += unit * (2 * (2 if bf16 else 4) + 4)
+    return StageMemory(stage, n, in_flight, device[0], device[1], 4 * held, 4 * held, 8 * held,
+                       in_flight * copies, in_flight * act, transient)
+
+
+def report(cfg: TrainConfig) -> list[StageMemory]:
+    """Every stage of ``cfg`` against its device."""
+    devices = stage_devices(cfg)
+    return [stage_memory(cfg, j, devices[j]) for j in range(cfg.parallel.pp)]
+
+
+def format_report(cfg: TrainConfig, stages: list[StageMemory]) -> str:
+    """The report as a table, in GB (MB when every stage is under 1 GB, e.g. the debug flavour)."""
+    p, ac = cfg.parallel, cfg.activation_checkpoint
+    unit, scale = ("GB", 1e9) if max(s.total for s in stages) >= 1e9 else ("MB", 1e6)
+
+    def _gb(x: int) -> str:
+        return f"{x / scale:.1f}"
+
+    dtype = "float32" if cfg.training.dtype == "float32" else "bf16 autocast, float32 master weights and AdamW"
+    lines = [f"dry run: {cfg.model.family}/{cfg.model.flavour} pp={p.pp} dp={p.dp} (shard {p.dp_shard}) tp={p.tp} "
+             f"microbatch {cfg.data.batch_size // p.microbatches} x {cfg.data.seq_len} tokens, {p.schedule}, "
+             f"{dtype}, activation checkpoint {ac.mode}" + (f" every {ac.every}" if ac.mode == "selective" else ""),
+             f"{unit} per GPU (1 {unit} = {scale:.0e} bytes):",
+             f"{'stage':>5} {'layers':>6} {'mb':>3} {'device':<14} {'params':>7} {'grads':>7} {'optim':>7} "
+             f"{'copies':>7} {'activ':>7} {'trans':>7} {'total':>7} {'limit':>7}  fits"]
+    for s in stages:
+        limit = _gb(int(s.capacity * MEMORY_RESERVE)) if s.capacity else "-"
+        fits = {True: "yes", False: "NO", None: "unknown (set parallel.cluster)"}[s.fits]
+        lines.append(f"{s.stage:>5} {s.layers:>6} {s.in_flight:>3} {s.device:<14} {_gb(s.params):>7} "
+                     f"{_gb(s.grads):>7} {_gb(s.optimizer):>7} {_gb(s.weight_copies):>7} {_gb(s.activations):>7} "
+                     f"{_gb(s.transient):>7} {_gb(s.total):>7} {limit:>7}  {fits}")
+    lines.append(f"limit = {MEMORY_RESERVE:.0%} of the device's memory; mb = microbatches in flight; "
+                 "copies = bf16 weight copies autocast keeps per microbatch; trans = short-lived peak buffers")
+    return "\n".join(lines)
+
+
+def dry_run(cfg: TrainConfig, as_json: bool = False) -> int:
+    """Print the report; 0 when every stage fits (or no device is known), 1 when one does not."""
+    stages = report(cfg)
+    if as_json:
+        out: dict[str, Any] = {"reserve": MEMORY_RESERVE, "stages": [
+            asdict(s) | {"total": s.total, "fits": s.fits} for s in stages]}
+        print(json.dumps(out, indent=1))
+    else:
+        print(format_report(cfg, stages))
+    bad = [s for s in stages if s.fits is False]
+    if bad and not as_json:
+        print(f"stage {bad[0].stage} does not fit its {bad[0].device}: shard the optimizer state "
+              "(parallel.dp_shard), checkpoint activations, use smaller microbatches or more stages.")
+    return 1 if bad else 0

@@ -1,0 +1,95 @@
+"""Checks of a training launch that need no process group, run before any rank starts.
+
+Everything a user can get wrong and that the launcher can see is refused here in one sentence: the model and
+tokenizer, the stage split, the data file (missing, not text, too short, or token ids the model cannot
+embed), and - under ``--simulate``, where the vendors of every rank are known - the layout against the
+world size and the vendor islands. Without a config, ``choose_layout`` picks the layout from the world.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import reduce
+from pathlib import Path
+
+import numpy as np
+
+from bimetal.errors import UserError
+from bimetal.train.config import TrainConfig
+
+_SAMPLE_TOKENS = 1 << 24  # token ids checked up front in a .bin shard; the ranks check every batch they read
+
+
+def choose_layout(vendors: list[str], n_layers: int) -> tuple[int, int]:
+    """(pp, dp) for a job of these simulated vendors: dp is the largest size that divides every vendor's rank
+    count, so every stage is one vendor and cross-vendor traffic stays on the pipeline axis."""
+    counts = [vendors.count(v) for v in dict.fromkeys(vendors)]
+    dp = reduce(math.gcd, counts)
+    pp = len(vendors) // dp
+    if pp > n_layers:
+        raise UserError(f"the {len(vendors)} simulated ranks ({_summary(vendors)}) need {pp} pipeline stages, more "
+                        f"than the model's {n_layers} layers; give a --config with parallel.pp and parallel.dp.")
+    return pp, dp
+
+
+def _summary(vendors: list[str]) -> str:
+    return ", ".join(f"{v}:{vendors.count(v)}" for v in dict.fromkeys(vendors))
+
+
+def check_layout(cfg: TrainConfig, vendors: list[str]) -> None:
+    """The layout of ``cfg`` on a simulated cluster of ``vendors`` (one host), refused as the ranks would."""
+    from bimetal.parallel.groups import plan_groups
+    from bimetal.parallel.layout import ParallelDims, plan_layout
+    from bimetal.topology.records import ClusterView, RankRecord
+
+    p = cfg.parallel
+    world = p.pp * p.dp * p.tp
+    if world != len(vendors):
+        raise UserError(f"the layout parallel.pp={p.pp} x parallel.dp={p.dp} x parallel.tp={p.tp} needs {world} "
+                        f"ranks but --simulate gives {len(vendors)} ({_summary(vendors)}); change one to match.")
+    view = ClusterView([RankRecord(r, r, "localhost", v, "cpu", 0) for r, v in enumerate(vendors)])
+    layout = plan_layout(view, ParallelDims(pp=p.pp, dp=p.dp, tp=p.tp, allow_cross_vendor_dp=p.allow_cross_vendor_dp))
+    plan_groups(view, layout, {"pp": p.pp_transport, "dp": p.dp_transport}, simulated=True)
+
+
+def check_world(cfg: TrainConfig, world: int) -> None:
+    """A rank's own check of the layout against ``WORLD_SIZE`` (torchrun, or a launcher)."""
+    p = cfg.parallel
+    need = p.pp * p.dp * p.tp
+    if need != world:
+        raise UserError(f"the layout parallel.pp={p.pp} x parallel.dp={p.dp} x parallel.tp={p.tp} needs {need} "
+                        f"ranks but this job has WORLD_SIZE={world}; start {need} ranks or change the layout.")
+
+
+def check_model(cfg: TrainConfig) -> None:
+    """Model, tokenizer and stage split, as every rank would check them (once, here)."""
+    from bimetal.train.tokenizer import build_tokenizer
+    from bimetal.train.trainer import _model_args
+
+    args = _model_args(cfg)
+    tok = build_tokenizer(cfg.data.tokenizer)
+    if tok.vocab_size > args.vocab_size:
+        raise UserError(f"tokenizer {cfg.data.tokenizer!r} has {tok.vocab_size} tokens but model "
+                        f"{cfg.model.family}/{cfg.model.flavour} has only {args.vocab_size}; match them.")
+    cfg.stage_split(args.n_layers)
+
+
+def check_data(cfg: TrainConfig) -> None:
+    """The data file: readable, long enough for one step of every replica, and token ids the model embeds."""
+    from bimetal.train.data import load_tokens
+    from bimetal.train.tokenizer import build_tokenizer
+    from bimetal.train.trainer import _model_args
+
+    args = _model_args(cfg)
+    tokens = load_tokens(cfg.data.path, build_tokenizer(cfg.data.tokenizer), cfg.data.bin_dtype)
+    dp = cfg.parallel.dp
+    need = cfg.data.batch_size * dp * cfg.data.seq_len + 1
+    if len(tokens) < need:
+        raise UserError(f"the data has {len(tokens)} tokens, too few for {dp} replicas x batch {cfg.data.batch_size}"
+                        f" x seq_len {cfg.data.seq_len}; use more data or smaller data.seq_len/data.batch_size.")
+    head = np.asarray(tokens[:_SAMPLE_TOKENS])
+    if head.size and int(head.max()) >= args.vocab_size:
+        where = Path(cfg.data.path) if cfg.data.path else "the shipped corpus"
+        raise UserError(f"{where} holds token id {int(head.max())} but model {cfg.model.family}/"
+                        f"{cfg.model.flavour} has {args.vocab_size} tokens; it is not a token file for this model "
+                        "(check data.path and data.bin_dtype).")

@@ -1,0 +1,136 @@
+"""``bimetal train --dry-run``: the memory report of the real 8B/7B configs, checked against the planner's
+estimate; the fake-tensor measurement against real tensors; the help text against the config dataclasses."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+import typing
+from pathlib import Path
+
+import pytest
+import torch
+
+from bimetal.cli import main as bimetal_main
+from bimetal.plan.search import evaluate
+from bimetal.plan.spec import load_spec
+from bimetal.train.config import TrainConfig, load_config
+
+pytestmark = pytest.mark.timeout(120)
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _planner_memory(cfg: TrainConfig) -> list[int]:
+    """The planner's per-stage estimate for exactly the layout of ``cfg``."""
+    p = cfg.parallel
+    mb = cfg.data.batch_size // p.microbatches
+    plan = evaluate(load_spec(ROOT / p.cluster), cfg.model.flavour, cfg.data.seq_len, cfg.data.batch_size * p.dp,
+                    p.pp, p.dp, p.tp, mb, p.pp_transport, split=p.layers_per_stage, dp_shard=p.dp_shard,
+                    ac=cfg.activation_checkpoint.mode, bf16=cfg.training.dtype != "float32")
+    assert plan is not None and not plan.rejected, plan
+    return plan.memory
+
+
+def test_llama3_8b_h100_mi300x_fits_and_matches_planner(tmp_path: Path) -> None:
+    config = "configs/llama3-8b-h100-mi300x.toml"
+    run_dir = tmp_path / "run"
+    exe = str(Path(sys.executable).parent / "bimetal")
+    r = subprocess.run([exe, "train", "--config", config, "--dry-run", "--json", f"--metrics.run_dir={run_dir}"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=100)
+    assert r.returncode == 0, r.stderr
+    assert not run_dir.exists()  # nothing written
+    stages = json.loads(r.stdout)["stages"]
+    cfg = load_config(ROOT / config)
+    assert [s["device"] for s in stages] == ["H100", "MI300X"]
+    for s, planned in zip(stages, _planner_memory(cfg)):
+        assert s["fits"] is True and s["total"] < 80e9 * 0.9, s
+        parts = ("params", "grads", "optimizer", "weight_copies", "activations", "transient")
+        assert s["total"] == sum(s[k] for k in parts) and s["activations"] > 0
+        assert abs(s["total"] - planned) <= 0.10 * s["total"], (s["total"], planned)
+
+
+@pytest.mark.parametrize("overrides", [
+    [],
+    ["--parallel.dp_shard=1", "--activation_checkpoint.mode=full"],
+    ["--parallel.tp=4", "--parallel.dp=2", "--parallel.dp_shard=2", "--activation_checkpoint.mode=selective",
+     "--training.dtype=float32"],
+], ids=["as-written", "replicated-full-ac", "tp4-hsdp-selective-fp32"])
+def test_qwen2_7b_report_matches_planner(overrides: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    config = str(ROOT / "configs" / "qwen2-7b-h100-mi300x.toml")
+    cluster = f"--parallel.cluster={ROOT / 'configs/clusters/h100_mi300x.toml'}"
+    rc = bimetal_main(["train", "--config", config, "--dry-run", "--json", cluster, *overrides])
+    stages = json.loads(capsys.readouterr().out)["stages"]
+    cfg = load_config(config, [cluster, *overrides])
+    planned = _planner_memory(cfg)
+    assert rc == (0 if all(s["fits"] for s in stages) else 1)
+    for s, est in zip(stages, planned):
+        assert abs(s["total"] - est) <= 0.10 * s["total"], (s, est)
+    if overrides[1:2] == ["--activation_checkpoint.mode=full"]:
+        assert all(s["weight_copies"] == 0 or s["stage"] == 1 for s in stages)  # checkpointed blocks hold none
+
+
+def test_text_report_and_not_fitting(capsys: pytest.CaptureFixture[str]) -> None:
+    # The same model unsharded (tp=1, dp=8 replicas) on 80 GB parts: the report names the stage that does not fit.
+    cluster = f"--parallel.cluster={ROOT / 'configs/clusters/h100_mi300x.toml'}"
+    rc = bimetal_main(["train", "--config", str(ROOT / "configs/llama3-8b-h100-mi300x.toml"), "--dry-run", cluster,
+                       "--parallel.tp=1", "--parallel.dp=8", "--parallel.dp_shard=1"])
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert "H100" in out and "MI300X" in out and " NO" in out and "stage 0 does not fit its H100" in out
+
+
+def test_simulated_dry_run_starts_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run_dir = tmp_path / "run"
+    rc = bimetal_main(["train", "--config", str(ROOT / "configs/demo.toml"), "--simulate", "nvidia:2,amd:2",
+                       "--dry-run", f"--metrics.run_dir={run_dir}"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "unknown (set parallel.cluster)" in out and not run_dir.exists()
+
+
+def test_cluster_must_match_layout(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = bimetal_main(["train", "--config", str(ROOT / "configs/llama3-8b-h100-mi300x.toml"), "--dry-run",
+                       f"--parallel.cluster={ROOT / 'configs/clusters/h100_mi300x.toml'}", "--parallel.dp=2",
+                       "--parallel.dp_shard=2"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "has 16" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("bf16", [True, False], ids=["bf16-autocast", "float32"])
+def test_fake_measurement_equals_real_tensors(bf16: bool) -> None:
+    """The bytes measured on fake tensors are those a real forward of the same stage saves."""
+    from bimetal.models import build_model, build_stage, prune_to_stage
+    from bimetal.train.memory import measure_saved, measure_stage
+
+    meta = prune_to_stage(build_model("llama3", "debug", device="meta"), [2, 3], False, True)
+    fake = measure_stage(meta, 1, 2, 64, bf16)
+    real = build_stage("llama3", "debug", [2, 3], False, True)
+    block = real.layers["2"]
+    x = torch.randn(2, 64, real.args.dim, requires_grad=True)
+    cos, sin = real._rope(64, x.device, x.dtype)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        got = measure_saved(block, lambda: block(x, cos, sin).sum(), skip=(cos, sin))
+    assert (got.activations, got.weight_copies) == (fake.block.activations, fake.block.weight_copies)
+    assert got.activations > 0 and (got.weight_copies > 0) == bf16
+    # The dry-run's copy of the loss is the trainer's: the same head bytes with the trainer's own function.
+    from bimetal.train.trainer import _loss_fn
+    assert measure_stage(meta, 1, 2, 64, bf16, loss=_loss_fn).head == fake.head
+
+
+def test_help_lists_every_config_key(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        bimetal_main(["train", "--help"])
+    assert exit_.value.code == 0
+    text = capsys.readouterr().out
+    flat = " ".join(text.split())
+    for sec in dataclasses.fields(TrainConfig):
+        assert f"[{sec.name}]" in text
+        body = text.split(f"[{sec.name}]", 1)[1]
+        for f in dataclasses.fields(typing.get_type_hints(TrainConfig)[sec.name]):
+            assert f"\n  {f.name} = " in body, f"{sec.name}.{f.name} missing from bimetal train --help"
+    assert "FSDP2 shard degree" in flat and "checkpoint every k-th block" in flat
+    from bimetal.train.keys import config_keys
+    sections, keys = config_keys()
+    assert set(sections) == {f.name for f in dataclasses.fields(TrainConfig)} and all(sections.values())
+    assert [k for k in keys if not k.doc] == []  # every key says what it means

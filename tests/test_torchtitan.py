@@ -1,0 +1,184 @@
+"""torchtitan 0.3.0's own trainer on bimetal (``bimetal titan``), on simulated vendors, against Gloo.
+
+The reference for every mixed run is the same torchtitan run with every group on plain Gloo
+(``--all-gloo``): per-step losses must be identical. The runs go through the commands users type
+(``bimetal titan --simulate`` once; ``bimetal launch ... -m bimetal.integrations.torchtitan`` for the
+others, which skips the launcher's config check to save time). Each rank writes
+``<dump>/bimetal/rank<r>.json``: losses, and each mesh dimension's back-end, ranks and byte counters.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bimetal.integrations.torchtitan import available
+from bimetal.integrations.torchtitan.mesh import MixedVendorDimensionError, preflight, unflatten_groups
+from bimetal.integrations.torchtitan.split import module_fqns_per_model_part
+
+needs_titan = pytest.mark.skipif(not available(),
+                                 reason="torchtitan is not installed: pip install 'bimetal[torchtitan]'")
+
+COMMON = ["--module", "llama3", "--config", "llama3_debugmodel", "--training.seq_len=32",
+          "--training.local_batch_size=4", "--validator.no-enable", "--training.disable_cuda_graphs",
+          "--parallelism.spmd_backend=partial_dtensor", "--debug.seed=7"]
+VENDOR_OF = {"nvidia:1,amd:1": ["nvidia", "amd"], "nvidia:2,amd:2": ["nvidia", "nvidia", "amd", "amd"]}
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "BIMETAL_SIMULATE"):
+        env.pop(key, None)
+    return env
+
+
+def _run(args: list[str], timeout: int = 200) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "bimetal.cli", *args], env=_env(), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    from bimetal.integrations.torchtitan.cpu_support import write_assets
+
+    tok, data = write_assets(tmp_path_factory.mktemp("titan_assets"))
+    return [f"--hf_assets_path={tok}", f"--dataloader.dataset_path={data}"]
+
+
+def _launch(simulate: str, args: list[str], dump: Path) -> dict[int, dict[str, Any]]:
+    """Ranks through ``bimetal launch``; returns each rank's report."""
+    proc = _run(["launch", "--simulate", simulate, "--", "-m", "bimetal.integrations.torchtitan", *args,
+                 f"--dump_folder={dump}"])
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
+    return _reports(dump)
+
+
+def _reports(dump: Path) -> dict[int, dict[str, Any]]:
+    return {int(p.stem[4:]): json.loads(p.read_text()) for p in (dump / "bimetal").glob("rank*.json")}
+
+
+def _losses(reports: dict[int, dict[str, Any]]) -> list[float]:
+    last = [r for r in reports.values() if r["last_stage"]]
+    assert last, "no rank reported the last pipeline stage"
+    return [entry["loss"] for entry in last[0]["losses"]]
+
+
+def _check_groups(reports: dict[int, dict[str, Any]], vendors: list[str]) -> None:
+    """pp is a bimetal transport whose bytes moved; every other group is native and one vendor."""
+    for rank, report in reports.items():
+        groups = report["groups"]
+        assert groups["pp"]["backend"] == "bimetal_cpu_forward", (rank, groups["pp"])
+        assert groups["pp"]["counters"]["bytes_sent"] > 0 and groups["pp"]["counters"]["bytes_received"] > 0
+        assert len({vendors[r] for r in groups["pp"]["ranks"]}) == 2
+        for name, group in groups.items():
+            if name != "pp":
+                assert group["backend"] == "bimetal_sim_native", (rank, name, group)
+                assert len({vendors[r] for r in group["ranks"]}) == 1, (rank, name, group)
+
+
+# ---- pure Python: the split and the mesh rules (no process group) ----
+
+def test_uneven_split_single_and_interleaved() -> None:
+    assert module_fqns_per_model_part(6, [4, 2]) == [
+        ["tok_embeddings", "layers.0", "layers.1", "layers.2", "layers.3"], ["layers.4", "layers.5", "norm", "lm_head"]]
+    # loop style: parts 0, 2 on rank 0 (2 + 2 layers), parts 1, 3 on rank 1 (1 + 1)
+    parts = module_fqns_per_model_part(6, [4, 2], 2, "Interleaved1F1B")
+    assert [len([n for n in p if n.startswith("layers.")]) for p in parts] == [2, 1, 2, 1]
+    assert parts[0][0] == "tok_embeddings" and parts[-1][-2:] == ["norm", "lm_head"]
+    # V style: rank 0 holds parts 0 and 3
+    v = module_fqns_per_model_part(6, [4, 2], 2, "ZBVZeroBubble")
+    assert [len([n for n in p if n.startswith("layers.")]) for p in v] == [2, 1, 1, 2]
+
+
+def test_mesh_rules_without_a_process_group() -> None:
+    assert unflatten_groups((2, 2), ("pp", "batch")) == {"pp": [(0, 2), (1, 3)], "batch": [(0, 1), (2, 3)]}
+    vendors = VENDOR_OF["nvidia:2,amd:2"]
+    ok = preflight({"pp": 2, "dp_replicate": 1, "dp_shard": -1, "cp": 1, "tp": 1}, vendors, "device-direct", True)
+    assert {g.name: g.backend for g in ok.made}["pp.0"] == "bimetal_device_direct"
+    with pytest.raises(MixedVendorDimensionError, match="'tp'"):
+        preflight({"pp": 1, "dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 4}, vendors, "cpu-forward", True)
+
+
+def test_plan_writes_a_torchtitan_run(tmp_path: Path) -> None:
+    import tomllib
+
+    from bimetal.integrations.torchtitan.cli import _plan_args
+
+    out = tmp_path / "titan.toml"
+    proc = _run(["plan", "configs/clusters/h100_mi300x.toml", "--model", "llama3-8b", "--write-titan", str(out)], 60)
+    assert proc.returncode == 0, proc.stderr
+    doc = tomllib.loads(out.read_text())
+    tt, bm = doc["torchtitan"], doc["bimetal"]
+    pp, dp, tp = (tt[f"parallelism.{k}_degree"]
+                  for k in ("pipeline_parallel", "data_parallel_shard", "tensor_parallel"))
+    assert pp * dp * tp == 16 and pp == len(bm["layers_per_stage"]) > 1 and (bm["module"], bm["config"]) == (
+        "llama3", "llama3_8b")
+    parts = tt["parallelism.module_fqns_per_model_part"]
+    layers = [n for part in parts for n in part if n.startswith("layers.")]
+    assert layers == [f"layers.{i}" for i in range(32)] and parts[0][0] == "tok_embeddings"
+    assert [sum(n.startswith("layers.") for n in p) for p in parts] == bm["layers_per_stage"]
+    args = _plan_args(doc, ["--training.seq_len=64"])
+    assert f"--parallelism.pipeline_parallel_degree={pp}" in args and "--module=llama3" in args
+    assert not any(a.startswith("--training.seq_len") for a in args)  # the command line wins over the file
+    bad = _run(["plan", "configs/clusters/h100_mi300x.toml", "--model", "qwen2-7b", "--write-titan", str(out)], 60)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad.stderr
+
+
+# ---- torchtitan runs ----
+
+@needs_titan
+@pytest.mark.timeout(300)
+def test_refuses_a_mixed_native_dimension_through_the_entry_point(tmp_path: Path) -> None:
+    proc = _run(["titan", "--simulate", "nvidia:1,amd:1", *COMMON, "--parallelism.data_parallel_shard_degree=2",
+                 f"--dump_folder={tmp_path}"])
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("bimetal titan: torchtitan mesh dimension 'batch'") and last.count(". ") == 0, last
+    assert not (tmp_path / "bimetal").exists()  # no rank started
+
+
+@needs_titan
+@pytest.mark.timeout(600)
+def test_pp2_1f1b_two_vendors_matches_gloo_and_resumes(tmp_path: Path, assets: list[str]) -> None:
+    """nvidia:1,amd:1, pp=2, 1F1B, split 4/2; a checkpoint at step 2 resumed through torchtitan's checkpointer."""
+    args = [*COMMON, *assets, "--parallelism.pipeline_parallel_degree=2",
+            "--parallelism.pipeline_parallel_schedule=1F1B", "--training.steps=3"]
+    ckpt = ["--checkpoint.enable", "--checkpoint.interval=2", "--checkpoint.folder=ckpt"]
+    ref = _losses(_launch("nvidia:1,amd:1", ["--all-gloo", "--layers-per-stage=4,2", *args], tmp_path / "gloo"))
+    # the mixed run goes through `bimetal titan` itself (the launcher checks the mesh, then starts the ranks)
+    mixed_dir = tmp_path / "mixed"
+    proc = _run(["titan", "--simulate", "nvidia:1,amd:1", "--layers-per-stage", "4,2", *args, *ckpt,
+                 f"--dump_folder={mixed_dir}"])
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
+    assert "bimetal groups (torchtitan mesh)" in proc.stdout and "bimetal_cpu_forward" in proc.stdout
+    mixed = _reports(mixed_dir)
+    assert len(ref) == 3 and _losses(mixed) == ref
+    _check_groups(mixed, VENDOR_OF["nvidia:1,amd:1"])
+    # resume: drop the step-3 checkpoint, run again; torchtitan loads step 2 and trains step 3 alone
+    steps = sorted(p.name for p in (mixed_dir / "ckpt").iterdir())
+    assert steps == ["step-2", "step-3"], steps
+    shutil.rmtree(mixed_dir / "ckpt" / "step-3")
+    shutil.rmtree(mixed_dir / "bimetal")
+    resumed = _launch("nvidia:1,amd:1", ["--layers-per-stage=4,2", *args, *ckpt], mixed_dir)
+    assert [e["step"] for r in resumed.values() if r["last_stage"] for e in r["losses"]] == [3]
+    assert _losses(resumed) == ref[2:]
+
+
+@needs_titan
+@pytest.mark.timeout(600)
+def test_pp2_fsdp2_interleaved_four_ranks_matches_gloo(tmp_path: Path, assets: list[str]) -> None:
+    """nvidia:2,amd:2, pp=2 x FSDP 2, Interleaved1F1B (2 stages per rank), split 4/2."""
+    args = [*COMMON, *assets, "--parallelism.pipeline_parallel_degree=2", "--parallelism.data_parallel_shard_degree=2",
+            "--parallelism.pipeline_parallel_schedule=Interleaved1F1B", "--training.steps=2",
+            "--layers-per-stage=4,2", "--checkpoint.no-enable"]
+    ref = _losses(_launch("nvidia:2,amd:2", ["--all-gloo", *args], tmp_path / "gloo"))
+    mixed = _launch("nvidia:2,amd:2", args, tmp_path / "mixed")
+    assert len(ref) == 2 and _losses(mixed) == ref
+    _check_groups(mixed, VENDOR_OF["nvidia:2,amd:2"])

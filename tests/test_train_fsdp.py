@@ -17,7 +17,10 @@ single-process run of the same global batch within 1e-5 relative:
   islands on the native back-end, the replicate all-reduce crosses vendors on cpu-forward.
 
 * ``hsdp-8-ranks``: pp=2 x (replicate 2 x shard 2) on nvidia:4,amd:4, 10 steps (8 ranks cost about as much
-  as 4 here: the stage compute is split over twice the ranks).
+  as 4 here: the stage compute is split over twice the ranks);
+* ``fsdp-tp-8-ranks``: pp=2 x (shard 2 x tp 2) on nvidia:4,amd:4, 10 steps: FSDP over the dp dimension of
+  the mesh whose tp dimension tensor parallelism splits over (the ready H100 + MI300X configs' shape), with
+  its HF export.
 """
 
 from __future__ import annotations
@@ -222,3 +225,21 @@ def test_hsdp_pp2_replicate2_shard2_on_8_ranks(single: Path, fsdp_killed: tuple[
     for rank in (0, 4):
         assert (json.loads((run / f"memory-rank{rank}.json").read_text())
                 == json.loads((fsdp_killed[0] / f"memory-rank{rank // 2}.json").read_text()))
+
+
+def test_fsdp_composes_with_tensor_parallel_on_8_ranks(single: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    out = _train(run, "--parallel.tp=2", "--parallel.dp_shard=2", "--training.steps=10",
+                 f"--checkpoint.export_hf={run / 'hf'}", simulate="nvidia:4,amd:4").stdout
+    table = out.split("bimetal FSDP mesh groups")[1]
+    assert any(line.split()[:2] == ["dp.stage1.tp1", "5,7"] for line in table.splitlines()), table
+    _assert_parity(single, run, steps=10)
+    from test_train_parity import _weights
+
+    from bimetal.models import from_hf
+
+    w_ref = _weights(single, step=10)
+    exported = dict(from_hf(run / "hf").named_parameters())
+    assert sorted(exported) == sorted(w_ref)
+    for name, t in w_ref.items():
+        assert float((exported[name] - t).norm() / t.norm()) <= RTOL, name

@@ -11,9 +11,9 @@ reduce-scatter in the island, all-reduce of the shard across islands).
 
 Every group is classified and given its back-end exactly as ``groups.plan_groups`` does (the spec list is
 plain data, testable without a process group), created collectively by every rank, and assembled with
-``DeviceMesh.from_group`` so each mesh dimension keeps its own back-end. A tensor-parallel dimension would be
-appended last (torchtitan's order: replicate, shard, tp), from ``ParallelContext.tp_group``; this build's
-trainer runs tp=1, so the mesh has at most the two dp dimensions.
+``DeviceMesh.from_group`` so each mesh dimension keeps its own back-end. A tensor-parallel dimension is
+appended last (torchtitan's order: replicate, shard, tp), from ``ParallelContext.tp_group``: FSDP shards over
+the dp dimensions of the same mesh whose tp dimension tensor parallelism splits over.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ class StageMesh:
     """This rank's stage-local mesh for FSDP2, and where it sits in it."""
 
     mesh: DeviceMesh
-    """1-D ``("dp_shard",)`` or 2-D ``("dp_replicate", "dp_shard")`` (HSDP)."""
+    """``("dp_shard",)``, ``("dp_replicate", "dp_shard")`` (HSDP), each with a trailing ``"tp"`` when tp > 1."""
     specs: list[GroupSpec]
     """Every group created for the meshes of all stages (for the group table and ``destroy``)."""
     groups: dict[str, dist.ProcessGroup | None]
@@ -92,6 +92,17 @@ class StageMesh:
     shard_rank: int
     replicate_rank: int
     replicate_spans_vendors: bool
+
+    @property
+    def dp_mesh(self) -> DeviceMesh:
+        """The mesh FSDP shards over: ``dp_shard``, or ``(dp_replicate, dp_shard)`` for HSDP."""
+        names = [n for n in ("dp_replicate", "dp_shard") if n in (self.mesh.mesh_dim_names or ())]
+        return self.mesh if list(self.mesh.mesh_dim_names or ()) == names else self.mesh[tuple(names)]
+
+    @property
+    def tp_mesh(self) -> DeviceMesh | None:
+        """The tensor-parallel dimension of the same mesh, or None at tp=1."""
+        return self.mesh["tp"] if "tp" in (self.mesh.mesh_dim_names or ()) else None
 
     @property
     def dp_shard(self) -> int:
@@ -135,11 +146,22 @@ def build_stage_mesh(ctx: object, dp_shard: int, device_type: str, transports: d
     _, shard_pg = mine(SHARD)
     rep_spec, rep_pg = mine(REPLICATE)
     assert shard_pg is not None
-    if rep_pg is None:
+    # One mesh over the stage replica's ranks, dims (dp_replicate,) dp_shard (, tp): FSDP and TP DTensors
+    # must share a root mesh to compose. Each dimension is an existing group with its own back-end.
+    dims = ([("dp_replicate", rep_pg)] if rep_pg is not None else []) + [("dp_shard", shard_pg)]
+    tp = ctx.tp_size
+    if tp > 1:
+        assert ctx.tp_group is not None
+        dims.append(("tp", ctx.tp_group))
+    if len(dims) == 1:
         mesh = DeviceMesh.from_group(shard_pg, device_type, mesh_dim_names=("dp_shard",))
     else:
-        mesh = DeviceMesh.from_group([rep_pg, shard_pg], device_type, mesh=torch.tensor(grid, dtype=torch.int),
-                                     mesh_dim_names=("dp_replicate", "dp_shard"))
+        ranks = [[[ctx.layout.mesh[ctx.stage][r * dp_shard + i][t] for t in range(tp)] for i in range(dp_shard)]
+                 for r in range(len(grid))]
+        shape = [len(grid)] * (rep_pg is not None) + [dp_shard] + [tp] * (tp > 1)
+        mesh = DeviceMesh.from_group([g for _, g in dims], device_type,
+                                     mesh=torch.tensor(ranks, dtype=torch.int).reshape(shape),
+                                     mesh_dim_names=tuple(name for name, _ in dims))
     return StageMesh(mesh=mesh, specs=specs, groups=groups, created=[s.name for s in specs if s.name not in reused],
                      shard_group=shard_pg, replicate_group=rep_pg,
                      shard_rank=pos, replicate_rank=row,

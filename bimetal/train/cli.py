@@ -48,9 +48,6 @@ def _check_implemented(cfg: TrainConfig) -> None:
         from bimetal.train.trainer import _model_args
 
         check_tp(_model_args(cfg), p.tp, f"{cfg.model.family}/{cfg.model.flavour}")
-    if p.tp > 1 and p.dp_shard > 1:
-        raise UserError(f"parallel.dp_shard={p.dp_shard} with parallel.tp={p.tp}: the trainer does not shard "
-                        "tensor-parallel stages yet; set --parallel.dp_shard=1 or --parallel.tp=1.")
 
 
 def _auto_layout(ns: argparse.Namespace, cfg: TrainConfig, rest: list[str], vendors: list[str]) -> list[str]:

@@ -216,13 +216,14 @@ def _build_stage(cfg: TrainConfig, ctx: Any, models: Any, args: Any, split: list
     # Only this stage's tensors are ever allocated (an 8B model would not fit 8 ranks' host memory whole).
     model = models.build_stage(cfg.model.family, args, stage_layer_ids(split, stage), stage == 0,
                                stage == n_stages - 1, device=device, seed=cfg.model.seed)
-    mesh = tp_mesh(ctx.tp_group, device) if ctx is not None and ctx.tp_size > 1 else None
-    if mesh is not None:
+    mesh = None
+    if ctx is not None and ctx.tp_size > 1:  # under FSDP the tp dimension of the stage mesh, to compose
+        mesh = smesh.tp_mesh if smesh is not None else tp_mesh(ctx.tp_group, device)
         apply_tp(model, mesh)
     apply_activation_checkpointing(model, cfg.activation_checkpoint)
     local = StageModule(model, amp, device.type)
     if smesh is not None:
-        apply_fsdp(local, model, smesh.mesh, pipelined=n_stages > 1, param_dtype=amp)
+        apply_fsdp(local, model, smesh.dp_mesh, pipelined=n_stages > 1, param_dtype=amp)
     return model, local, mesh
 
 
@@ -252,10 +253,12 @@ def _run(cfg: TrainConfig, ctx: Any, smesh: Any, models: Any, args: Any, split: 
     folder = cfg.checkpoint.folder or f"{cfg.metrics.run_dir}/checkpoints"
     meta = {"family": family, "flavour": cfg.model.flavour, "layers_per_stage": split, "dp": dp_size,
             "dp_shard": cfg.parallel.dp_shard, "tp": cfg.parallel.tp}
-    # Unsharded: the stage's first replica writes (tp rank 0, after its tp ranks gather each DTensor);
-    # sharded: the first replica group writes, each shard owner its own part.
-    part = part_name(stage, smesh.shard_rank if smesh is not None else None)
-    if smesh is not None:
+    # Sharded (tp=1): the first replica group writes, each shard owner its own part of local shards.
+    # Otherwise the stage's first replica writes whole tensors (tp rank 0, after the stage's ranks gather each
+    # DTensor: FSDP x TP shards are 2-D), and a load reads each rank's slices of them.
+    local_shards = smesh is not None and (ctx is None or ctx.tp_size == 1)
+    part = part_name(stage, smesh.shard_rank if local_shards else None)
+    if local_shards:
         writer = smesh.replicate_rank == 0
     else:
         writer = dp_rank == 0 and (ctx is None or ctx.tp_rank == 0)
@@ -268,7 +271,7 @@ def _run(cfg: TrainConfig, ctx: Any, smesh: Any, models: Any, args: Any, split: 
     if path is not None:
         checkpoint.check_meta(path, meta)
         state = checkpoint.training_state(model, opt, stage)
-        if smesh is None:  # tp DTensors read their slices of the whole tensors
+        if not local_shards:  # DTensors read their slices of the whole tensors
             extra = checkpoint.load(path, state, rank, shard=part)
             checkpoint.apply_training_state(model, opt, stage, state)
         else:  # FSDP shards are filled in place from this shard's own part; the rest comes back in `loaded`
@@ -345,7 +348,7 @@ def _run(cfg: TrainConfig, ctx: Any, smesh: Any, models: Any, args: Any, split: 
             state = checkpoint.training_state(model, opt, stage)
             extra = {"step": step + 1, "sched": sched.state_dict(), "data": stream.state_dict(),
                      "rng": checkpoint.rng_state()}
-            if smesh is not None:  # local shards, no gather; their layout goes into this rank's JSON
+            if local_shards:  # no gather; their layout goes into this rank's JSON
                 state = to_local(state, shards)
                 extra["shards"] = {"part": part, "dim": 0, "count": smesh.dp_shard, "tensors": shards}
             checkpoint.save(folder, step + 1, state, extra, meta, rank, shard=part, writer=writer)

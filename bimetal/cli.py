@@ -22,12 +22,13 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "profile": ("bimetal.plan.cli", "profile_main", "time model layers on the local device for the planner"),
     "titan": ("bimetal.integrations.torchtitan.cli", "main", "torchtitan's trainer across vendors"),
     "lab": ("bimetal.lab.cli", "main", "bring up an emulated multi-node cluster and run a job on it"),
-    "bench": ("bimetal.cli", "bench_main", "benchmarks: 'bench comm', 'bench ladder'"),
+    "bench": ("bimetal.cli", "bench_main", "benchmarks: 'bench comm', 'bench ladder', 'bench train'"),
 }
 
 BENCHES: dict[str, tuple[str, str]] = {
     "comm": ("bimetal.comm.bench", "main"),
     "ladder": ("bimetal.lab.ladder", "main"),
+    "train": ("bimetal.train.bench", "main"),
 }
 
 

@@ -192,13 +192,13 @@ def prune(folder: str | Path, keep_last: int) -> list[Path]:
 
 
 # Keys added after checkpoints without them were written: their value in those checkpoints.
-_META_DEFAULTS = {"tp": 1}
+_META_DEFAULTS = {"tp": 1, "dp_shard": 1}
 
 
 def check_meta(path: Path, meta: dict[str, Any]) -> dict[str, Any]:
     """Raise ``UserError`` if the checkpoint at ``path`` was written for another model or layout."""
     saved = json.loads((path / "meta.json").read_text())
-    for key in ("family", "flavour", "layers_per_stage", "dp", "tp"):
+    for key in ("family", "flavour", "layers_per_stage", "dp", "dp_shard", "tp"):
         was, now = saved.get(key, _META_DEFAULTS.get(key)), meta.get(key, _META_DEFAULTS.get(key))
         if was != now:
             raise UserError(f"checkpoint {path} is for {key}={was!r} but this run has {key}={now!r}; point "

@@ -48,12 +48,6 @@ def _check_implemented(cfg: TrainConfig) -> None:
         from bimetal.train.trainer import _model_args
 
         check_tp(_model_args(cfg), p.tp, f"{cfg.model.family}/{cfg.model.flavour}")
-    if p.dp_shard > 1:
-        raise UserError(f"parallel.dp_shard={p.dp_shard}: this build of the trainer does not shard yet; "
-                        "set --parallel.dp_shard=1.")
-    if cfg.activation_checkpoint.mode != "none":
-        raise UserError(f"activation_checkpoint.mode={cfg.activation_checkpoint.mode!r}: this build of the trainer "
-                        "has no activation checkpointing yet; set it to 'none'.")
 
 
 def _auto_layout(ns: argparse.Namespace, cfg: TrainConfig, rest: list[str], vendors: list[str]) -> list[str]:

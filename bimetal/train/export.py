@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from bimetal.errors import UserError
+from bimetal.train.parallelize import param_name
 from bimetal.train.pipeline import stage_of_param
 from bimetal.train.pp_comms import gather_full_state
 from bimetal.train.tp import full_tensor
@@ -34,8 +35,9 @@ def export_model(model: nn.Module, family: str, args: Any, split: list[int], ctx
     # Names are those of the whole model; a stage's own parameters carry the same names.
     names = [n for n, _ in (full or models.build_model(family, args, device="meta")).named_parameters()]
     stage_names = [[n for n in names if stage_of_param(n, split) == s] for s in range(len(split))]
-    # A tensor-parallel stage gathers each split weight over its tp group first (every tp rank takes part).
-    own = {n: full_tensor(p.detach()) for n, p in model.named_parameters()}
+    # A tensor-parallel stage gathers each split weight over its tp group first, a sharded (FSDP) one over its
+    # shard group (every rank of the mesh takes part); names lose the activation-checkpoint wrapper's prefix.
+    own = {param_name(n): full_tensor(p.detach()) for n, p in model.named_parameters()}
     target: dict[str, torch.Tensor] = dict(full.named_parameters()) if full is not None else {}
     with torch.no_grad():
         gather_full_state(own, target, owners, rank, dst, stage_names)

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from bimetal.comm.hierarchical import hierarchical_all_reduce
 from bimetal.train.config import OptimConfig
@@ -87,15 +88,20 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _split(placement: Any) -> bool:
+    """Whether a DTensor placement splits the tensor (FSDP over TP gives ``_StridedShard``, not a ``Shard``)."""
+    return isinstance(placement, (Shard, _StridedShard))
+
+
 def _squares(grads: list[torch.Tensor], device: torch.device | str) -> torch.Tensor:
     """Sum of squares of every gradient, each counted once however it is split over tp meshes."""
     sq = torch.zeros((), dtype=torch.float32, device=device)
     split: dict[tuple[Any, tuple[int, ...]], torch.Tensor] = {}
     for g in grads:
         part = _local(g).detach().float().pow(2).sum()
-        if isinstance(g, DTensor) and any(isinstance(pl, Shard) for pl in g.placements):
+        if isinstance(g, DTensor) and any(_split(pl) for pl in g.placements):
             # Summed over the mesh dims it is split along (replicated dims hold copies: counted once).
-            key = (g.device_mesh, tuple(i for i, pl in enumerate(g.placements) if isinstance(pl, Shard)))
+            key = (g.device_mesh, tuple(i for i, pl in enumerate(g.placements) if _split(pl)))
             split[key] = split.get(key, torch.zeros_like(sq)) + part
         else:
             sq += part

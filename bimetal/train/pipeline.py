@@ -89,12 +89,22 @@ class PipelineRunner:
             input_example = input_example.detach().requires_grad_(True)
         if output_example.is_floating_point():
             output_example = output_example.detach().requires_grad_(True)
-        self.module: nn.Module = StageModule(module, autocast_dtype, device.type)
+        # A StageModule is taken as it is: under FSDP it is the root FSDP module the schedule must see.
+        self.module: nn.Module = (module if isinstance(module, StageModule)
+                                  else StageModule(module, autocast_dtype, device.type))
         if tp > 1 and tp_mesh is not None:
             self.module = TPBoundary(self.module, tp_mesh, not self.is_first, not self.is_last)
         self.pipe_stage = MeteredStage(self.module, stage, num_stages, device, input_args=(input_example,),
                                        output_args=(output_example,), group=group)
-        self.schedule = SCHEDULES[schedule](self.pipe_stage, n_microbatches=microbatches, loss_fn=loss_fn)
+        # Each microbatch's loss is divided by the microbatch count before its backward, as the single-process
+        # loop does, instead of the schedule dividing every gradient after the step (scale_grads): that would
+        # also divide the gradients earlier accumulation steps left in .grad.
+        self.microbatches, self._loss_fn = microbatches, loss_fn
+        self.schedule = SCHEDULES[schedule](self.pipe_stage, n_microbatches=microbatches, loss_fn=self._scaled_loss,
+                                            scale_grads=False)
+
+    def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self._loss_fn(output, target) / self.microbatches
 
     def step(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> torch.Tensor:
         """Run the schedule; returns the mean microbatch loss (a 0-d float tensor) on every stage."""
@@ -107,6 +117,6 @@ class PipelineRunner:
         else:
             self.schedule.step(**kwargs)
         device = self.pipe_stage.device
-        loss = (torch.stack([x.detach().float() for x in losses]).mean() if self.is_last
+        loss = (torch.stack([x.detach().float() for x in losses]).sum() if self.is_last
                 else torch.zeros((), device=device))
         return broadcast_from_last(loss, self.group, self.num_stages)

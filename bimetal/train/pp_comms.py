@@ -25,7 +25,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining._backward import stage_backward
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 
@@ -64,6 +66,23 @@ class MeteredStage(PipelineStage):
         ops = super().get_bwd_recv_ops(bwd_chunk_id)
         self.recv_bytes += _op_bytes(ops)
         return ops
+
+    def backward_maybe_with_nosync(self, backward_type: Any, bwd_kwargs: dict, last_backward: bool = False
+                                   ) -> Any:
+        """Under FSDP, the last microbatch's backward reduce-scatters block by block as it goes.
+
+        torch's stage turns gradient sync off for every microbatch and reduce-scatters all blocks after the
+        last backward (``perform_reduce_grad``, which then finds nothing left to reduce: FSDP's
+        post-backward is idempotent). Syncing in the last backward instead lets each block's reduce-scatter
+        overlap the backward of the blocks before it, as without a pipeline.
+        """
+        if last_backward and backward_type == "full" and isinstance(self.submod, FSDPModule):
+            self.submod.set_is_last_backward(True)
+            self.submod.set_reshard_after_backward(True)
+            self.submod.set_requires_gradient_sync(True)
+            return stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"],
+                                  bwd_kwargs["input_values"]), None
+        return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
 
     def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
         t0 = time.perf_counter()

@@ -1,9 +1,12 @@
 """The training loop: one pipeline stage x one dp replica per rank.
 
-Per step: ``grad_accum`` schedule runs (each over ``parallel.microbatches`` microbatches), gradient
-average over the dp group, one global-norm clip over all stages and replicas, AdamW, lr schedule, metrics,
-checkpoint. Single-process runs (pp=dp=1, no process group) use the same loop with a plain forward and the
-same microbatch split, so the two agree to float32 rounding.
+The stage is built in ``_build_stage``: the model part, activation checkpointing, then FSDP2 over the
+stage-local mesh when ``parallel.dp_shard`` > 1 (``parallelize``). Per step: ``grad_accum`` schedule runs
+(each over ``parallel.microbatches`` microbatches), gradient average over the dp group (done by FSDP's
+reduce-scatter/all-reduce in the backward when sharded), one global-norm clip over all stages and replicas,
+AdamW, lr schedule, metrics, checkpoint (one part per shard owner when sharded: ``shards``). Single-process
+runs (pp=dp=1, no process group) use the same loop with a plain forward and the same microbatch split, so
+the two agree to float32 rounding.
 """
 
 from __future__ import annotations
@@ -32,7 +35,15 @@ from bimetal.train.data import TokenStream, load_tokens
 from bimetal.train.export import export_model
 from bimetal.train.metrics import StepMetrics, cluster_peak_flops
 from bimetal.train.optim import average_gradients, build_optimizer, build_scheduler, clip_global_norm
+from bimetal.train.parallelize import (
+    apply_activation_checkpointing,
+    apply_fsdp,
+    memory_bytes,
+    set_gradient_sync,
+    tensor_bytes,
+)
 from bimetal.train.pipeline import PipelineRunner, StageModule, stage_layer_ids
+from bimetal.train.shards import merge_loaded, part_name, to_local
 from bimetal.train.tokenizer import build_tokenizer
 from bimetal.train.tp import apply_tp, check_tp, tp_mesh
 
@@ -97,7 +108,9 @@ class _XvendorMeter:
     activations and gradients), else from the pipeline's send ops; dp bytes are the payload each rank hands
     to the cross-vendor all-reduce (what the wire carries depends on the transport's algorithm). Time is
     this rank's schedule time minus its stage compute (waits for the peer included), plus the time of a
-    vendor-spanning gradient average.
+    vendor-spanning gradient average. Under HSDP with a vendor-spanning replicate dimension the dp bytes are
+    the gradient shard each rank all-reduces; that all-reduce runs inside the backward, so its time is not
+    separated out.
     """
 
     def __init__(self, ctx: Any, runner: PipelineRunner | None) -> None:
@@ -135,6 +148,15 @@ class _XvendorMeter:
         return float(local[1]) / self.ctx.world_size, int(local[0])
 
 
+def _write_memory(run_dir: str, rank: int, sizes: dict[str, int]) -> None:
+    """``memory-rank<R>.json``: bytes of parameters, gradients and optimizer state this rank holds."""
+    import json
+    from pathlib import Path
+
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    (Path(run_dir) / f"memory-rank{rank}.json").write_text(json.dumps(sizes))
+
+
 def train(cfg: TrainConfig) -> dict[str, Any]:
     """Run ``cfg`` on this rank (world from the torchrun env when pp*dp > 1); returns the summary."""
     tok = build_tokenizer(cfg.data.tokenizer)
@@ -161,9 +183,22 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                             transports={"pp": cfg.parallel.pp_transport, "dp": cfg.parallel.dp_transport,
                                         "homogeneous": cfg.parallel.homogeneous_backend},
                             timeout=timedelta(seconds=cfg.parallel.timeout_s))
+    smesh = None
     try:
-        return _run(cfg, ctx, models, args, split, tokens)
+        if ctx is not None and cfg.parallel.dp_shard > 1:
+            from bimetal.parallel.mesh import build_stage_mesh
+
+            smesh = build_stage_mesh(ctx, cfg.parallel.dp_shard, _device().type, {"dp": cfg.parallel.dp_transport},
+                                     timedelta(seconds=cfg.parallel.timeout_s))
+            if ctx.rank == 0:
+                from bimetal.parallel.groups import format_group_table
+
+                print("bimetal FSDP mesh groups (shard, replicate; a name from the table above is that group):\n"
+                      + format_group_table(smesh.specs), flush=True)
+        return _run(cfg, ctx, smesh, models, args, split, tokens)
     finally:
+        if smesh is not None:
+            smesh.destroy()
         if ctx is not None:
             ctx.destroy()
 
@@ -172,19 +207,37 @@ def _warn(message: str) -> None:
     print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
-def _run(cfg: TrainConfig, ctx: Any, models: Any, args: Any, split: list[int], tokens: Any) -> dict[str, Any]:
+def _build_stage(cfg: TrainConfig, ctx: Any, models: Any, args: Any, split: list[int], stage: int, n_stages: int,
+                 device: torch.device, amp: torch.dtype | None, smesh: Any) -> tuple[Any, StageModule, Any]:
+    """This rank's stage, in torchtitan's order: the model part, tensor parallelism, activation checkpointing,
+    then FSDP2 over the stage mesh.
+
+    Returns (model, stage module, tp mesh): the schedule (or the plain loop) runs the stage module, which under
+    FSDP is the root FSDP module holding the model.
+    """
+    # Only this stage's tensors are ever allocated (an 8B model would not fit 8 ranks' host memory whole).
+    model = models.build_stage(cfg.model.family, args, stage_layer_ids(split, stage), stage == 0,
+                               stage == n_stages - 1, device=device, seed=cfg.model.seed)
+    mesh = None
+    if ctx is not None and ctx.tp_size > 1:  # under FSDP the tp dimension of the stage mesh, to compose
+        mesh = smesh.tp_mesh if smesh is not None else tp_mesh(ctx.tp_group, device)
+        apply_tp(model, mesh)
+    apply_activation_checkpointing(model, cfg.activation_checkpoint)
+    local = StageModule(model, amp, device.type)
+    if smesh is not None:
+        apply_fsdp(local, model, smesh.dp_mesh, pipelined=n_stages > 1, param_dtype=amp)
+    return model, local, mesh
+
+
+def _run(cfg: TrainConfig, ctx: Any, smesh: Any, models: Any, args: Any, split: list[int], tokens: Any
+         ) -> dict[str, Any]:
     stage, n_stages = (ctx.stage, ctx.num_stages) if ctx else (0, 1)
     dp_rank, dp_size = (ctx.dp_rank, ctx.dp_size) if ctx else (0, 1)
     rank = ctx.rank if ctx else 0
     device = _device()
     amp = _autocast_dtype(cfg.training.dtype, device)
     family = cfg.model.family
-    # Only this stage's tensors are ever allocated (an 8B model would not fit 8 ranks' host memory whole).
-    model = models.build_stage(family, args, stage_layer_ids(split, stage), stage == 0, stage == n_stages - 1,
-                               device=device, seed=cfg.model.seed)
-    mesh = tp_mesh(ctx.tp_group, device) if ctx is not None and ctx.tp_size > 1 else None
-    if mesh is not None:  # tensor parallelism first (then activation checkpointing, then FSDP: torchtitan's order)
-        apply_tp(model, mesh)
+    model, local, mesh = _build_stage(cfg, ctx, models, args, split, stage, n_stages, device, amp, smesh)
     opt = build_optimizer(model, cfg.optim)
     sched = build_scheduler(opt, cfg.optim, cfg.training.steps)
     stream = TokenStream(tokens, cfg.data.seq_len, cfg.data.batch_size, dp_rank, dp_size, cfg.training.seed,
@@ -196,13 +249,21 @@ def _run(cfg: TrainConfig, ctx: Any, models: Any, args: Any, split: list[int], t
         hidden = torch.zeros(mb, seq, args.dim, device=device)
         ids = torch.zeros(mb, seq, dtype=torch.long, device=device)
         logits = torch.zeros(mb, seq, args.vocab_size, device=device)
-        runner = PipelineRunner(model, stage, n_stages, ctx.pp_group, n_mb, cfg.parallel.schedule, _loss_fn,
+        runner = PipelineRunner(local, stage, n_stages, ctx.pp_group, n_mb, cfg.parallel.schedule, _loss_fn,
                                 device, ids if stage == 0 else hidden, logits if stage == n_stages - 1 else hidden,
                                 autocast_dtype=amp, tp_mesh=mesh)
-    local = StageModule(model, amp, device.type)
     folder = cfg.checkpoint.folder or f"{cfg.metrics.run_dir}/checkpoints"
     meta = {"family": family, "flavour": cfg.model.flavour, "layers_per_stage": split, "dp": dp_size,
-            "tp": cfg.parallel.tp}
+            "dp_shard": cfg.parallel.dp_shard, "tp": cfg.parallel.tp}
+    # Sharded (tp=1): the first replica group writes, each shard owner its own part of local shards.
+    # Otherwise the stage's first replica writes whole tensors (tp rank 0, after the stage's ranks gather each
+    # DTensor: FSDP x TP shards are 2-D), and a load reads each rank's slices of them.
+    local_shards = smesh is not None and (ctx is None or ctx.tp_size == 1)
+    part = part_name(stage, smesh.shard_rank if local_shards else None)
+    if local_shards:
+        writer = smesh.replicate_rank == 0
+    else:
+        writer = dp_rank == 0 and (ctx is None or ctx.tp_rank == 0)
     start = 0
     # A rank restarted by torchrun (--max-restarts) resumes by itself: it loses at most one interval.
     resume = cfg.checkpoint.resume or not faults.first_attempt()
@@ -212,8 +273,13 @@ def _run(cfg: TrainConfig, ctx: Any, models: Any, args: Any, split: list[int], t
     if path is not None:
         checkpoint.check_meta(path, meta)
         state = checkpoint.training_state(model, opt, stage)
-        extra = checkpoint.load(path, state, rank, shard=f"stage{stage}")
-        checkpoint.apply_training_state(model, opt, stage, state)
+        if not local_shards:  # DTensors read their slices of the whole tensors
+            extra = checkpoint.load(path, state, rank, shard=part)
+            checkpoint.apply_training_state(model, opt, stage, state)
+        else:  # FSDP shards are filled in place from this shard's own part; the rest comes back in `loaded`
+            loaded = to_local(state, {})
+            extra = checkpoint.load(path, loaded, rank, shard=part)
+            checkpoint.apply_training_state(model, opt, stage, merge_loaded(state, loaded))
         sched.load_state_dict(extra["sched"])
         stream.load_state_dict(extra["data"])
         checkpoint.set_rng_state(extra["rng"])
@@ -236,7 +302,7 @@ def _run(cfg: TrainConfig, ctx: Any, models: Any, args: Any, split: list[int], t
         opt.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), device=device)
         schedule_s = 0.0
-        for _ in range(cfg.optim.grad_accum):
+        for acc in range(cfg.optim.grad_accum):
             x, y = (t.to(device) for t in stream.next_batch())
             if runner is not None:
                 ts = time.perf_counter()
@@ -245,7 +311,9 @@ def _run(cfg: TrainConfig, ctx: Any, models: Any, args: Any, split: list[int], t
                 schedule_s += time.perf_counter() - ts
             else:
                 # Same microbatch split and mean as the pipeline schedule, so both paths agree numerically.
-                for xc, yc in zip(x.chunk(n_mb), y.chunk(n_mb)):
+                for i, (xc, yc) in enumerate(zip(x.chunk(n_mb), y.chunk(n_mb))):
+                    # FSDP reduce-scatters in the last microbatch's backward only, overlapped block by block.
+                    set_gradient_sync(local, acc == cfg.optim.grad_accum - 1 and i == n_mb - 1)
                     loss = _loss_fn(local(xc), yc) / n_mb
                     loss.backward()
                     loss_sum += loss.detach()
@@ -255,14 +323,20 @@ def _run(cfg: TrainConfig, ctx: Any, models: Any, args: Any, split: list[int], t
                     p.grad /= cfg.optim.grad_accum
         td = time.perf_counter()
         with _during(rank, step + 1, "gradient all-reduce", dp_name):
-            dp_bytes = average_gradients(model, ctx.dp_group if ctx else None, dp_size,
-                                         ctx.hierarchical if ctx else None)
+            if smesh is None:
+                dp_bytes = average_gradients(model, ctx.dp_group if ctx else None, dp_size,
+                                             ctx.hierarchical if ctx else None)
+            else:  # FSDP reduced the gradients in the backward; this is what its replicate all-reduce carried
+                grads = [p.grad for p in model.parameters() if p.grad is not None]
+                dp_bytes = tensor_bytes(grads) if smesh.replicate_spans_vendors else 0
         dp_s = time.perf_counter() - td
         with _during(rank, step + 1, "global gradient norm", pp_name):
             norm = clip_global_norm(model, cfg.optim.grad_clip, ctx.pp_group if ctx else None, n_stages)
         lr = opt.param_groups[0]["lr"]
         opt.step()
         sched.step()
+        if step == start:
+            _write_memory(cfg.metrics.run_dir, rank, memory_bytes(model, opt))
         loss_t = (loss_sum / cfg.optim.grad_accum).reshape(1)
         if dp_size > 1:
             with _during(rank, step + 1, "loss all-reduce", dp_name):
@@ -274,10 +348,14 @@ def _run(cfg: TrainConfig, ctx: Any, models: Any, args: Any, split: list[int], t
                     transport_meter.step())
         every = cfg.checkpoint.every
         if (every and (step + 1) % every == 0) or step + 1 == cfg.training.steps:
-            checkpoint.save(folder, step + 1, checkpoint.training_state(model, opt, stage),
-                            {"step": step + 1, "sched": sched.state_dict(), "data": stream.state_dict(),
-                             "rng": checkpoint.rng_state()}, meta, rank, shard=f"stage{stage}",
-                            writer=dp_rank == 0 and (ctx is None or ctx.tp_rank == 0))
+            shards: dict[str, list[int]] = {}
+            state = checkpoint.training_state(model, opt, stage)
+            extra = {"step": step + 1, "sched": sched.state_dict(), "data": stream.state_dict(),
+                     "rng": checkpoint.rng_state()}
+            if local_shards:  # no gather; their layout goes into this rank's JSON
+                state = to_local(state, shards)
+                extra["shards"] = {"part": part, "dim": 0, "count": smesh.dp_shard, "tensors": shards}
+            checkpoint.save(folder, step + 1, state, extra, meta, rank, shard=part, writer=writer)
             if rank == 0:
                 checkpoint.prune(folder, cfg.checkpoint.keep_last)
         report_step(step + 1)  # for the launcher's sentence if this rank dies; no-op outside bimetal's launcher

@@ -1,0 +1,245 @@
+"""Sharded data parallel (FSDP2/HSDP) and activation checkpointing train exactly like one process.
+
+Scenarios, one run each, all on the parity harness of ``test_train_parity`` (debug LLaMA-3 of
+``configs/demo.toml``, split [3, 1], seq 64, float32 on CPU, fixed seed), compared at every step with one
+single-process run of the same global batch within 1e-5 relative:
+
+* ``fsdp-cpu-forward``: pp=2 x dp=2 with dp_shard=2 (each stage fully sharded inside its vendor), 1F1B over
+  cpu-forward; rank 3 is SIGKILLed after step 12 and torchrun restarts the job, which resumes from the
+  sharded step-10 checkpoint; it also exports the HF model;
+* ``fsdp-device-direct``: the same layout and schedule over device-direct, uninterrupted: the killed run
+  equals it bit for bit at every step, before and after the kill (resume after a kill is exact);
+* ``ac-full``: pp=2 x dp=2 replicated with activation checkpointing on every block, and two gradient
+  accumulation steps per optimizer step (a pipeline once scaled the first one's gradients twice); its
+  per-rank optimizer state (read by the trainer from the state tensors) is the reference the sharded run
+  must halve;
+* ``hsdp-across-vendors``: pp=1 x dp=4 with dp_shard=2 on nvidia:2,amd:2: shard groups are the vendor
+  islands on the native back-end, the replicate all-reduce crosses vendors on cpu-forward.
+
+* ``hsdp-8-ranks``: pp=2 x (replicate 2 x shard 2) on nvidia:4,amd:4, 10 steps (8 ranks cost about as much
+  as 4 here: the stage compute is split over twice the ranks);
+* ``fsdp-tp-8-ranks``: pp=2 x (shard 2 x tp 2) on nvidia:4,amd:4, 10 steps: FSDP over the dp dimension of
+  the mesh whose tp dimension tensor parallelism splits over (the ready H100 + MI300X configs' shape), with
+  its HF export.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from test_train_parity import COMMON, DEMO, EXE, RTOL, SINGLE, _transport_missing
+
+from bimetal.errors import UserError
+from bimetal.train import checkpoint
+from bimetal.train.shards import assemble
+
+pytestmark = pytest.mark.timeout(300)
+FSDP = ["--parallel.dp_shard=2", "--parallel.schedule=1f1b"]
+HSDP = ["--parallel.pp=1", "--parallel.dp=4", "--parallel.dp_shard=2", "--parallel.layers_per_stage=[]",
+        "--parallel.microbatches=2", "--data.batch_size=4", "--parallel.allow_cross_vendor_dp=true",
+        "--parallel.dp_transport=cpu-forward", "--training.steps=10"]
+
+
+def _train(run_dir: Path, *args: str, simulate: str | None = "nvidia:2,amd:2", env: dict[str, str] | None = None
+           ) -> subprocess.CompletedProcess:
+    cmd = [EXE, "train", "--config", str(DEMO), *COMMON, f"--metrics.run_dir={run_dir}", *args]
+    if simulate:
+        cmd += ["--simulate", simulate]
+    full_env = {**{k: v for k, v in os.environ.items() if not k.startswith("BIMETAL_FAULT")}, **(env or {})}
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=280, cwd=run_dir.parent, env=full_env)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    return r
+
+
+def _rows(run_dir: Path) -> list[tuple[int, float]]:
+    """(step, loss) in the order logged (a restarted run's replayed steps replace the first attempt's)."""
+    return [(r["step"], r["loss"]) for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
+
+
+def _assert_parity(ref: Path, run: Path, steps: int = 20) -> None:
+    want = dict(_rows(ref))
+    got = _rows(run)
+    assert sorted(dict(got)) == list(range(1, steps + 1))
+    for step, loss in got:
+        assert abs(loss - want[step]) <= RTOL * abs(want[step]), (step, loss, want[step])
+
+
+def _flat(tree: object, prefix: str = "") -> dict[str, object]:
+    if isinstance(tree, dict):
+        return {k: v for key, sub in tree.items() for k, v in _flat(sub, f"{prefix}.{key}" if prefix else key).items()}
+    return {prefix: tree}
+
+
+def _stage_weights(run: Path, step: int = 20) -> dict[str, torch.Tensor]:
+    """Every stage's model weights at ``step``, reassembled from the shard parts with their JSON layout."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    folder = run / "checkpoints" / f"step-{step:06d}"
+    extras = [json.loads(p.read_text()) for p in sorted(folder.glob("extra-rank*.json"))]
+    layouts = {e["shards"]["part"]: e["shards"]["tensors"] for e in extras}
+    weights: dict[str, torch.Tensor] = {}
+    for stage in sorted({p.name.split("-")[0] for p in folder.glob("stage*-shard*")}):
+        parts, lays = [], []
+        for part_dir in sorted(folder.glob(f"{stage}-shard*")):
+            out = run / f"{part_dir.name}.pt"
+            dcp_to_torch_save(str(part_dir), str(out))
+            parts.append(_flat(torch.load(out, weights_only=False)))  # our own file
+            lays.append(layouts[part_dir.name])
+        whole = assemble(parts, lays)  # type: ignore[arg-type]
+        prefix = f"{stage}.model."
+        weights.update({k[len(prefix):]: v for k, v in whole.items() if k.startswith(prefix)})
+    assert weights, f"no sharded stage under {folder}"
+    return weights
+
+
+def _param_tensors(stage: int) -> int:
+    """Parameter tensors of a stage of the demo split [3, 1] (one AdamW step counter each)."""
+    from bimetal.models import build_model, prune_to_stage
+
+    model = build_model("llama3", "debug", device="meta")
+    return len(list(prune_to_stage(model, [[0, 1, 2], [3]][stage], stage == 0, stage == 1).parameters()))
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run = tmp_path_factory.mktemp("single") / "run"
+    _train(run, *SINGLE, simulate=None)
+    return run
+
+
+@pytest.fixture(scope="module")
+def fsdp_killed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    if (why := _transport_missing("cpu-forward")) is not None:
+        pytest.skip(f"cpu-forward not testable: {why}")
+    run = tmp_path_factory.mktemp("fsdp-cf") / "run"
+    r = _train(run, *FSDP, "--parallel.pp_transport=cpu-forward", f"--checkpoint.export_hf={run / 'hf'}",
+               "--max-restarts=1", env={"BIMETAL_FAULT_KILL": "3:12"})
+    return run, r.stdout + r.stderr
+
+
+@pytest.fixture(scope="module")
+def fsdp_dd(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if (why := _transport_missing("device-direct")) is not None:
+        pytest.skip(f"device-direct not testable: {why}")
+    run = tmp_path_factory.mktemp("fsdp-dd") / "run"
+    _train(run, *FSDP, "--parallel.pp_transport=device-direct")
+    return run
+
+
+@pytest.fixture(scope="module")
+def ac_full(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run = tmp_path_factory.mktemp("ac-full") / "run"
+    # Two accumulation steps of 4 rows per replica read the same windows as the single run's batch of 16.
+    _train(run, "--activation_checkpoint.mode=full", "--parallel.pp_transport=cpu-forward", "--optim.grad_accum=2",
+           "--data.batch_size=4", "--parallel.microbatches=2")
+    return run
+
+
+def test_fsdp_cpu_forward_matches_single_process_and_exports_gathered_shards(
+        single: Path, fsdp_killed: tuple[Path, str]) -> None:
+    run, out = fsdp_killed
+    assert "dp.stage0" in out and "bimetal FSDP mesh groups" in out
+    _assert_parity(single, run)
+    # Each shard owner wrote its own part; reassembled, the parts are the single-process weights.
+    from test_train_parity import _weights
+
+    w_ref, w_got = _weights(single), _stage_weights(run)
+    assert sorted(w_got) == sorted(w_ref)
+    for name, t in w_ref.items():
+        assert float((w_got[name] - t).norm() / t.norm()) <= RTOL, name
+    # The HF export all-gathered the shards of both stages: exactly the final checkpoint's weights.
+    from bimetal.models import from_hf
+
+    exported = dict(from_hf(run / "hf").named_parameters())
+    assert sorted(exported) == sorted(w_got) and all(torch.equal(exported[n], w_got[n]) for n in w_got)
+
+
+def test_fsdp_resume_after_kill_is_bit_identical(fsdp_killed: tuple[Path, str], fsdp_dd: Path,
+                                                 single: Path) -> None:
+    run, out = fsdp_killed
+    assert "rank 3 kills itself after step 12" in out and "step-000010 at step 10" in out, out[-3000:]
+    _assert_parity(single, fsdp_dd)
+    # Same layout and schedule, another transport, no kill: every logged step (1-10 from the first attempt,
+    # 11-20 replayed after the restart from the sharded step-10 checkpoint) is the same float.
+    uninterrupted = dict(_rows(fsdp_dd))
+    rows = _rows(run)
+    assert [s for s, _ in rows] == list(range(1, 21))
+    assert all(loss == uninterrupted[s] for s, loss in rows), [(s, loss, uninterrupted[s]) for s, loss in rows]
+
+
+def test_sharding_halves_optimizer_state_per_rank(fsdp_killed: tuple[Path, str], ac_full: Path) -> None:
+    run, _ = fsdp_killed
+    for rank in range(4):
+        sharded = json.loads((run / f"memory-rank{rank}.json").read_text())
+        replicated = json.loads((ac_full / f"memory-rank{rank}.json").read_text())
+        assert replicated["optim"] > 0 and replicated["params"] > 0
+        # AdamW's two moments halve; each parameter's step counter (one float32) stays whole on both ranks.
+        steps_bytes = 4 * _param_tensors(rank // 2)
+        assert sharded["optim"] - steps_bytes == (replicated["optim"] - steps_bytes) // 2, (sharded, replicated)
+        assert sharded["params"] == replicated["params"] // 2 and sharded["grads"] == replicated["grads"] // 2
+
+
+def test_full_activation_checkpointing_matches_single_process(single: Path, ac_full: Path) -> None:
+    _assert_parity(single, ac_full)
+
+
+def test_hsdp_replicates_across_vendors_and_shards_inside(single: Path, tmp_path: Path) -> None:
+    if (why := _transport_missing("cpu-forward")) is not None:
+        pytest.skip(f"cpu-forward not testable: {why}")
+    run = tmp_path / "run"
+    out = _train(run, *HSDP).stdout
+    table = out.split("bimetal FSDP mesh groups")[1]
+    # Shard groups are the vendor islands (native); replicate groups join the islands on cpu-forward.
+    assert any(line.startswith("dp.stage0.island-nvidia") and "bimetal_sim_native" in line for line in
+               table.splitlines()), table
+    assert any(line.startswith("dp.stage0.cross0") and "cross-vendor" in line and "bimetal_cpu_forward" in line
+               for line in table.splitlines()), table
+    _assert_parity(single, run, steps=10)
+
+
+def test_resume_onto_another_shard_degree_is_refused(tmp_path: Path) -> None:
+    meta = {"family": "llama3", "flavour": "debug", "layers_per_stage": [3, 1], "dp": 2, "dp_shard": 2}
+    checkpoint.save(tmp_path, 10, {"x": {"w": torch.zeros(2)}}, {}, meta)
+    path = checkpoint.latest(tmp_path)
+    assert path is not None
+    checkpoint.check_meta(path, meta)
+    with pytest.raises(UserError, match="dp_shard=2"):
+        checkpoint.check_meta(path, {**meta, "dp_shard": 1})
+
+
+def test_hsdp_pp2_replicate2_shard2_on_8_ranks(single: Path, fsdp_killed: tuple[Path, str], tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    out = _train(run, "--parallel.dp=4", "--parallel.dp_shard=2", "--parallel.microbatches=2", "--data.batch_size=4",
+                 "--training.steps=10", "--checkpoint.every=0", simulate="nvidia:4,amd:4").stdout
+    table = out.split("bimetal FSDP mesh groups")[1]
+    for name, ranks in (("dp.stage0.shard1", "2,3"), ("dp.stage0.replicate1", "1,3"), ("dp.stage1.replicate0", "4,6")):
+        assert any(line.split()[:2] == [name, ranks] and "bimetal_sim_native" in line
+                   for line in table.splitlines()), table
+    _assert_parity(single, run, steps=10)
+    # Shards of 2 as in the 4-rank sharded run: the same bytes per rank, whatever the replica count.
+    for rank in (0, 4):
+        assert (json.loads((run / f"memory-rank{rank}.json").read_text())
+                == json.loads((fsdp_killed[0] / f"memory-rank{rank // 2}.json").read_text()))
+
+
+def test_fsdp_composes_with_tensor_parallel_on_8_ranks(single: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    out = _train(run, "--parallel.tp=2", "--parallel.dp_shard=2", "--training.steps=10",
+                 f"--checkpoint.export_hf={run / 'hf'}", simulate="nvidia:4,amd:4").stdout
+    table = out.split("bimetal FSDP mesh groups")[1]
+    assert any(line.split()[:2] == ["dp.stage1.tp1", "5,7"] for line in table.splitlines()), table
+    _assert_parity(single, run, steps=10)
+    from test_train_parity import _weights
+
+    from bimetal.models import from_hf
+
+    w_ref = _weights(single, step=10)
+    exported = {n: p.detach() for n, p in from_hf(run / "hf").named_parameters()}
+    assert sorted(exported) == sorted(w_ref)
+    for name, t in w_ref.items():
+        assert float((exported[name] - t).norm() / t.norm()) <= RTOL, name

@@ -32,6 +32,19 @@ def _integer(least: int, most: int | None = None) -> Check:
     return check
 
 
+def _size(least: int) -> Check:
+    def check(name: str, raw: str) -> None:
+        from bimetal.comm.bench import parse_size
+
+        try:
+            value = parse_size(raw)
+        except UserError:
+            value = -1
+        if value < least:
+            raise UserError(f"{name}={raw!r} is not valid; set it to a size of at least {least} bytes, like 64K or 4M.")
+    return check
+
+
 def _number(least: float) -> Check:
     def check(name: str, raw: str) -> None:
         try:
@@ -114,7 +127,7 @@ VARIABLES: dict[str, Check] = {
     "BIMETAL_VENDOR": _choice("nvidia", "amd"),
     "BIMETAL_CF_STRIPES": _integer(1, 62),
     "BIMETAL_CF_IFACES": _interfaces,
-    "BIMETAL_CF_CHUNK_BYTES": _integer(1024),
+    "BIMETAL_CF_CHUNK_BYTES": _size(1024),
     "BIMETAL_CF_POOL_BUFFERS": _integer(2),
     "BIMETAL_CF_CHECKSUM": _choice("0", "1"),
     "BIMETAL_CF_STALL_S": _number(0.0),

@@ -22,8 +22,6 @@ from typing import Any
 from bimetal.errors import UserError
 from bimetal.integrations.torchtitan.split import module_fqns_per_model_part, parse_split
 
-ASSETS_ENV = "BIMETAL_TITAN_ASSETS"
-
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bimetal titan", description=__doc__.splitlines()[0], add_help=True)

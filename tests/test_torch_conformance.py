@@ -9,8 +9,8 @@ gap that has closed, fails this test until the list is updated).
 
 What the subset leaves out, and why, is in ``LEFT_OUT``. torch's suite has no CPU test for
 ``all_gather_into_tensor``, ``reduce_scatter`` or ``all_to_all`` (CUDA- or MPI-only), and its ``*_group``
-tests (a group of ranks 1 and 2) skip below 8 ranks; those operations are in bimetal's own operation tables
-(``test_cpu_forward.py``).
+tests (a group of ranks 1 and 2) skip below 8 ranks; those operations are in bimetal's own operation table
+(``test_op_table.py``).
 """
 
 from __future__ import annotations

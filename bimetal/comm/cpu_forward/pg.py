@@ -301,7 +301,7 @@ class CpuForwardProcessGroup(BimetalProcessGroup):
                        ready: object | None = None) -> None:
         if self._stages(tensor):
             after(self._streams.pair(tensor.device)[1], ready)
-            out = tensor.view(-1) if tensor.is_contiguous() else torch.empty_like(tensor).view(-1)
+            out = tensor.detach().view(-1) if tensor.is_contiguous() else torch.empty_like(tensor).view(-1)
             t, ranges = self._transfer(("recv", src), src, tag, turn, out, d, self._depth())
             staged = StagedRecv(out, ranges, self.pool, self._streams.pair(out.device)[1], self.timeout,
                                  self._depth(), self._pool_numel(out))
@@ -309,7 +309,7 @@ class CpuForwardProcessGroup(BimetalProcessGroup):
             def complete_staged() -> None:
                 staged.finish()
                 if not tensor.is_contiguous():
-                    tensor.copy_(out.view(tensor.shape))
+                    tensor.detach().copy_(out.view(tensor.shape))
                 self.counters.add(bytes_received=out.numel() * out.element_size(),
                                   bytes_staged=out.numel() * out.element_size())
                 d.release()
@@ -454,7 +454,7 @@ class CpuForwardProcessGroup(BimetalProcessGroup):
 
     def _recv_staged(self, tensor: torch.Tensor, src: int, tag: int, first: int, d: Deadline,
                      ready: object | None = None) -> None:
-        out = tensor.view(-1) if tensor.is_contiguous() else torch.empty_like(tensor).view(-1)
+        out = tensor.detach().view(-1) if tensor.is_contiguous() else torch.empty_like(tensor).view(-1)
         _, h2d = self._streams.pair(tensor.device)
         after(h2d, ready)
         plan = self._plan(out.numel(), out.element_size(), first)
@@ -486,7 +486,7 @@ class CpuForwardProcessGroup(BimetalProcessGroup):
             event.synchronize()  # type: ignore[attr-defined]
             self.pool.give(buf)
         if not tensor.is_contiguous():
-            tensor.copy_(out.view(tensor.shape))
+            tensor.detach().copy_(out.view(tensor.shape))
         nbytes = out.numel() * out.element_size()
         self.counters.add(bytes_received=nbytes, bytes_staged=nbytes)
 

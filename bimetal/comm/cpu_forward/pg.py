@@ -13,7 +13,9 @@ concurrently, over several stripes), waits for them with the group's deadline, a
 Device tensors are staged chunk by chunk through pinned buffers from a pool (see ``staging``): for a send,
 the device-to-host copies of all chunks are queued on a side stream with one event each, and chunk i is
 posted to Gloo as soon as its event fires, while later chunks are still copying; for a receive, chunk i is
-copied to the device while chunk i+1 is still arriving. CPU tensors go to Gloo as they are.
+copied to the device while chunk i+1 is still arriving. CPU tensors go to Gloo as they are (unless
+``BIMETAL_CF_FORCE_STAGING=1``). Collectives on device tensors run in rounds through the same pool
+(``rounds``, ``staged_ops``), except all-to-all with uneven splits, which stages whole tensors per call.
 
 With more than one stripe, point-to-point transfers run through ``failover.Transfer``: a stripe that stalls
 or fails mid-message is left for good and its chunks are re-sent on the others; the send completes when the
@@ -26,7 +28,6 @@ import threading
 import time
 import warnings
 import zlib
-from collections import deque
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -55,6 +56,7 @@ from bimetal.comm.base import (
 )
 from bimetal.comm.cpu_forward import rounds
 from bimetal.comm.cpu_forward import staged_ops as so
+from bimetal.comm.cpu_forward import staged_p2p as sp
 from bimetal.comm.cpu_forward.chunks import HostChunks, StagedRecv, StagedSend
 from bimetal.comm.cpu_forward.failover import StripeSet, Transfer, Waiter
 from bimetal.comm.cpu_forward.stats import StripeStats
@@ -65,7 +67,6 @@ from bimetal.comm.staging import (
     after,
     capture,
     copy_to_device,
-    copy_to_host,
     force_staging,
     is_device,
 )
@@ -203,7 +204,7 @@ class CpuForwardProcessGroup(BimetalProcessGroup):
             return self._submit(("send", dst), op, lambda d: self._send_failover(tensor, dst, tag, turn, d, ready))
         if self._stages(tensor):
             ready = capture([tensor])
-            return self._submit(("send", dst), op, lambda d: self._send_staged(tensor, dst, tag, 0, d, ready))
+            return self._submit(("send", dst), op, lambda d: sp.send_staged(self, tensor, dst, tag, 0, d, ready))
         flat = tensor if tensor.is_contiguous() else tensor.contiguous()  # (Gloo reads the bytes; any shape)
         if self._direct(("send", dst)):  # the fast path: posted here, waited for by the caller (work.py)
             return self._post_direct(op, lambda: self._post_send_host(flat, dst, tag))
@@ -219,7 +220,7 @@ class CpuForwardProcessGroup(BimetalProcessGroup):
             return self._submit(("recv", src), op, lambda d: self._recv_failover(tensor, src, tag, turn, d, ready))
         if self._stages(tensor):
             ready = capture([tensor])
-            return self._submit(("recv", src), op, lambda d: self._recv_staged(tensor, src, tag, 0, d, ready))
+            return self._submit(("recv", src), op, lambda d: sp.recv_staged(self, tensor, src, tag, 0, d, ready))
         if self._direct(("recv", src)):
             return self._post_direct(op, lambda: self._post_recv_host(tensor, src, tag, op))
         return self._submit(("recv", src), op, lambda d: self._wait_all(d, *self._post_recv_host(tensor, src, tag, op)))
@@ -412,83 +413,6 @@ class CpuForwardProcessGroup(BimetalProcessGroup):
     def _crc(data: torch.Tensor) -> torch.Tensor:
         raw = data.contiguous().reshape(-1).view(torch.uint8).numpy()
         return torch.tensor([zlib.crc32(raw)], dtype=torch.int64)  # type: ignore[arg-type]
-
-    def _send_staged(self, tensor: torch.Tensor, dst: int, tag: int, first: int, d: Deadline,
-                     ready: object | None = None) -> None:
-        flat = tensor.detach().reshape(-1)
-        d2h, _ = self._streams.pair(tensor.device)
-        after(d2h, ready)
-        plan = self._plan(flat.numel(), flat.element_size(), first)
-        size, depth = self._pool_numel(flat), self._depth()
-        copies: deque[tuple[int, int, int, torch.Tensor, object]] = deque()  # D2H queued, not yet sent
-        inflight: deque[tuple[dist.Work, torch.Tensor]] = deque()  # posted to Gloo
-        nxt = 0
-
-        def queue_copy(buf: torch.Tensor) -> None:
-            nonlocal nxt
-            a, b, s = plan[nxt]
-            copies.append((a, b, s, buf, copy_to_host(flat[a:b], buf[:b - a], d2h)))
-            nxt += 1
-
-        while nxt < len(plan) and len(copies) < depth:  # the GPU copies ahead while the network sends
-            got = self.pool.try_take(flat.dtype, size)
-            if got is None and copies:  # the pool is busy (other transfers): go on with what we hold
-                break
-            queue_copy(got if got is not None else self.pool.take(flat.dtype, size, self.timeout))
-        while copies:
-            a, b, s, buf, event = copies.popleft()
-            event.synchronize()  # type: ignore[attr-defined]
-            inflight.append((self.stripes[s].send([buf[:b - a]], dst, tag), buf))
-            if nxt < len(plan):  # keep `depth` chunks on the wire; else reuse the oldest sent buffer
-                got = self.pool.try_take(flat.dtype, size) if len(inflight) < depth else None
-                if got is None:  # never wait for the pool while holding buffers that free by themselves
-                    w, got = inflight.popleft()
-                    d.wait(w)
-                queue_copy(got)
-        while inflight:
-            w, buf = inflight.popleft()
-            d.wait(w)
-            self.pool.give(buf)
-        nbytes = flat.numel() * flat.element_size()
-        self.counters.add(bytes_sent=nbytes, bytes_staged=nbytes)
-
-    def _recv_staged(self, tensor: torch.Tensor, src: int, tag: int, first: int, d: Deadline,
-                     ready: object | None = None) -> None:
-        out = tensor.detach().view(-1) if tensor.is_contiguous() else torch.empty_like(tensor).view(-1)
-        _, h2d = self._streams.pair(tensor.device)
-        after(h2d, ready)
-        plan = self._plan(out.numel(), out.element_size(), first)
-        size = self._pool_numel(out)
-        depth = self._depth()
-        posted: deque[tuple[int, int, dist.Work, torch.Tensor]] = deque()
-        copying: deque[tuple[object, torch.Tensor]] = deque()
-        nxt = 0
-        while nxt < len(plan) or posted:
-            while nxt < len(plan) and len(posted) < depth:  # keep several chunks arriving
-                a, b, s = plan[nxt]
-                got = self.pool.try_take(out.dtype, size)
-                if got is None and copying:  # reuse our oldest buffer rather than wait for the pool
-                    event, got = copying.popleft()
-                    event.synchronize()  # type: ignore[attr-defined]
-                elif got is None and posted:  # the pool is busy: go on with what we hold
-                    break
-                buf = got if got is not None else self.pool.take(out.dtype, size, self.timeout)
-                posted.append((a, b, self.stripes[s].recv([buf[:b - a]], src, tag), buf))
-                nxt += 1
-            a, b, w, buf = posted.popleft()
-            d.wait(w)
-            copying.append((copy_to_device(buf[:b - a], out[a:b], h2d), buf))
-            while len(copying) > depth:
-                event, old = copying.popleft()
-                event.synchronize()  # type: ignore[attr-defined]
-                self.pool.give(old)
-        for event, buf in copying:
-            event.synchronize()  # type: ignore[attr-defined]
-            self.pool.give(buf)
-        if not tensor.is_contiguous():
-            tensor.detach().copy_(out.view(tensor.shape))
-        nbytes = out.numel() * out.element_size()
-        self.counters.add(bytes_received=nbytes, bytes_staged=nbytes)
 
     # --- collectives ---------------------------------------------------------------------------------
     def _collective(self, name: str, ins: list[torch.Tensor], outs: list[torch.Tensor],

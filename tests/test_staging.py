@@ -192,3 +192,26 @@ def test_op_table_with_staging_forced_matches_gloo(tmp_path) -> None:
             bad = [f"{r['case']}: {r['detail']}" for r in mine if not r["ok"]]
             assert not bad, f"{f.name} {transport}: " + "\n".join(bad[:10])
     assert len(list(tmp_path.glob("rank*.json"))) == 2
+
+
+def test_staged_async_ops_do_not_block_the_calling_thread() -> None:
+    """A staged send returns its Work at once, before the peer has even posted the receive."""
+    opts = CpuForwardOptions(stripes=1, chunk_bytes=4096, pool_buffers=4).resolved()
+    posted = threading.Event()
+    returned: list[bool] = []
+
+    def body(pg: CpuForwardProcessGroup, ref: dist.ProcessGroup, r: int) -> None:
+        t = torch.arange(100_000, dtype=torch.float32)
+        if r == 0:
+            work = pg.send([t], 1, 0)
+            returned.append(not work.is_completed())  # the receiver has not posted yet: cannot be done
+            posted.set()
+            work.wait()
+        else:
+            assert posted.wait(30)
+            got = torch.empty_like(t)
+            pg.recv([got], 0, 0).wait()
+            assert torch.equal(got, t)
+
+    _world(2, body, opts)
+    assert returned == [True]

@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # ip, tc), iptables (the lab's link latency and packet loss on kernels without netem).
 DEB_PACKAGES := libibverbs1 iproute2 iptables
 
-.PHONY: venv demo test lint debian-packages clean
+.PHONY: venv demo test lint debian-packages clean gpu-check
 
 $(STAMP): pyproject.toml requirements-lock.txt
 	$(PY) -m venv $(VENV)
@@ -42,6 +42,10 @@ lint: $(STAMP)
 
 test: $(STAMP) debian-packages lint
 	$(BIN)/python -m pytest -q tests
+
+# On a machine with one GPU: cpu-forward's GPU path right and fast, one table (scripts/gpu_check.sh; --cpu for CI).
+gpu-check: $(STAMP)
+	scripts/gpu_check.sh
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache

@@ -130,6 +130,8 @@ VARIABLES: dict[str, Check] = {
     "BIMETAL_CF_CHUNK_BYTES": _size(1024),
     "BIMETAL_CF_POOL_BUFFERS": _integer(2),
     "BIMETAL_CF_CHECKSUM": _choice("0", "1"),
+    "BIMETAL_CF_FORCE_STAGING": _choice("0", "1"),
+    "BIMETAL_SIMULATE_DEVICE": _choice("cpu", "cuda"),
     "BIMETAL_CF_STALL_S": _number(0.0),
     "BIMETAL_DD_PROTOCOL": _choice("rdma", "tcp", "auto"),
     "BIMETAL_DD_ENGINE": _choice("mooncake"),

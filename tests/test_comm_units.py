@@ -55,26 +55,29 @@ def test_chunk_plan_balances_bytes_over_stripes(k: int) -> None:
 
 
 def test_pool_reuses_buffers_and_bounds_them() -> None:
-    pool = PinnedPool(max_buffers=2, pin=False)
+    pool = PinnedPool(max_bytes=2 * 1024, slab_bytes=1024, pin=False)
     a = pool.take(torch.float32, 256, timedelta(seconds=1))
-    b = pool.take(torch.float32, 256, timedelta(seconds=1))
-    with pytest.raises(PoolExhausted, match="no staging buffer of 256"):
+    b = pool.take(torch.int64, 100, timedelta(seconds=1))  # any dtype and count up to one slab
+    with pytest.raises(PoolExhausted, match="no staging slab came free"):
         pool.take(torch.float32, 256, timedelta(seconds=0.05))
     pool.give(a)
-    assert pool.take(torch.float32, 256, timedelta(seconds=1)) is a
-    pool.give(a)
+    again = pool.take(torch.bfloat16, 512, timedelta(seconds=1))
+    assert again.data_ptr() == a.data_ptr() and again.dtype == torch.bfloat16
+    pool.give(again)
     pool.give(b)
     for _ in range(20):  # steady state: no new allocation per call
         pool.give(pool.take(torch.float32, 256, timedelta(seconds=1)))
-    assert pool.allocations == 2
+    assert pool.allocations == 2 and pool.held_bytes == 2 * 1024
+    with pytest.raises(ValueError, match="does not fit one staging slab"):
+        pool.take(torch.float32, 257, timedelta(seconds=1))
 
 
 def test_pool_take_waits_for_a_buffer_given_back() -> None:
-    pool = PinnedPool(max_buffers=1, pin=False)
+    pool = PinnedPool(max_bytes=64, slab_bytes=64, pin=False)
     held = pool.take(torch.uint8, 64, timedelta(seconds=1))
     threading.Timer(0.1, pool.give, args=(held,)).start()
     start = time.monotonic()
-    assert pool.take(torch.uint8, 64, timedelta(seconds=5)) is held
+    assert pool.take(torch.uint8, 64, timedelta(seconds=5)).data_ptr() == held.data_ptr()
     assert time.monotonic() - start < 4
 
 

@@ -217,7 +217,8 @@ def test_step_line_is_a_progress_bar_on_a_terminal_and_plain_lines_elsewhere() -
 
 BAD_VALUES = {"BIMETAL_SIMULATE": "nvidia", "BIMETAL_VENDOR": "intel", "BIMETAL_CF_STRIPES": "abc",
               "BIMETAL_CF_IFACES": "eth0,,eth1", "BIMETAL_CF_CHUNK_BYTES": "512", "BIMETAL_CF_POOL_BUFFERS": "1",
-              "BIMETAL_CF_CHECKSUM": "yes", "BIMETAL_CF_STALL_S": "nan", "BIMETAL_DD_PROTOCOL": "ib",
+              "BIMETAL_CF_CHECKSUM": "yes", "BIMETAL_CF_FORCE_STAGING": "on", "BIMETAL_SIMULATE_DEVICE": "gpu",
+              "BIMETAL_CF_STALL_S": "nan", "BIMETAL_DD_PROTOCOL": "ib",
               "BIMETAL_DD_ENGINE": "nixl", "BIMETAL_DD_HOST": "not-an-ip", "BIMETAL_DD_CHUNK_BYTES": "0",
               "BIMETAL_DD_SLOTS": "0", "BIMETAL_DD_WINDOW": "-1", "BIMETAL_DD_INLINE_BYTES": "999999",
               "BIMETAL_DD_FALLBACK": "maybe", "BIMETAL_DD_DEVICE": "gpu0", "BIMETAL_THREADS": "1.5",

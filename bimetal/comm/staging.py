@@ -1,66 +1,156 @@
-"""Host staging for device tensors: a reusable pool of pinned buffers and the copy streams.
+"""Host staging for device tensors: a pool of pinned slabs bounded by bytes, the copy streams, and stream order.
 
-A device tensor crosses to host memory in fixed-size chunks. Each chunk takes a pinned buffer from the
-pool (allocated once, reused; the pool never allocates per call after warm-up), is copied on a side
-stream, and an event marks when the chunk is ready, so that the copy of chunk i+1 overlaps the network
-transfer of chunk i. CPU tensors never come here. Every ``torch.cuda`` call is behind ``is_device``
-checks, so CPU builds never touch it.
+A device tensor crosses to host memory in pieces. Each piece (a point-to-point chunk, or one round of a
+collective) takes one pinned slab from the pool: slabs all have one size (the largest chunk), whatever the
+dtype or shape asked for, and the pool holds at most ``max_bytes`` of them, so its bound is in bytes and a
+collective that needs more than the bound (an all-gather over 16 ranks) is cut into rounds that each fit one
+slab (``plan_rounds``) instead of waiting for buffers that can never come. After warm-up nothing is allocated.
+
+Copies run on side streams with one event each, so the copy of piece i+1 overlaps the wire of piece i.
+Stream order is torch's: the op is captured on the caller's thread with an event on the producer's current
+stream (``capture``), the side streams wait for that event (never a device-wide synchronize), and source
+tensors are held by ``record_stream`` until their copies finish. Every ``torch.cuda`` call is behind a device
+check: CPU tensors whose staging is forced (``BIMETAL_CF_FORCE_STAGING=1``, for tests and the GPU check's
+``--cpu`` mode) go through ``HostCopyDouble``, a test double for the copy engine that copies synchronously.
 """
 
 from __future__ import annotations
 
+import os
 import threading
-from collections import defaultdict
 from datetime import timedelta
 
 import torch
 
+ENV_FORCE = "BIMETAL_CF_FORCE_STAGING"
+ALIGN = 64
+"""Byte alignment of every region packed into a slab (any dtype's view of it is aligned)."""
+
 
 def is_device(tensor: torch.Tensor) -> bool:
-    """True for tensors that need host staging (CUDA and ROCm tensors both report ``cuda``)."""
+    """True for tensors that live on an accelerator (CUDA and ROCm tensors both report ``cuda``)."""
     return not tensor.is_cpu
 
 
+def force_staging() -> bool:
+    """Whether ``BIMETAL_CF_FORCE_STAGING=1`` asks cpu-forward to stage CPU tensors too (read at group creation)."""
+    value = os.environ.get(ENV_FORCE, "").strip()
+    if value not in ("", "0", "1"):
+        from bimetal.errors import UserError
+        raise UserError(f"{ENV_FORCE}={value!r} must be 0 or 1")
+    return value == "1"
+
+
 class PoolExhausted(RuntimeError):
-    """No staging buffer came free within the timeout."""
+    """No staging slab came free within the timeout."""
 
 
 class PinnedPool:
-    """Pinned host buffers keyed by (dtype, element count), at most ``max_buffers`` bytes-classes each.
+    """Pinned host slabs of ``slab_bytes`` each, at most ``max_bytes`` of them in all.
 
-    ``take`` blocks (up to ``timeout``) when every buffer of the class is in use: the pool bounds how much
-    host memory staging holds, and a slow peer slows the sender instead of growing memory.
+    ``take`` hands out a view of a free slab as ``numel`` elements of ``dtype`` (any dtype, any count up to one
+    slab); it allocates a slab only while under the byte bound and otherwise waits (up to ``timeout``) for one
+    to come back: a slow peer slows the sender instead of growing memory.
     """
 
-    def __init__(self, max_buffers: int = 8, pin: bool | None = None):
-        self.max_buffers = max_buffers
+    def __init__(self, max_bytes: int, slab_bytes: int, pin: bool | None = None):
+        if slab_bytes < ALIGN or max_bytes < slab_bytes:
+            raise ValueError(f"staging pool of {max_bytes} bytes cannot hold one slab of {slab_bytes} bytes")
+        self.max_bytes, self.slab_bytes = max_bytes, slab_bytes
+        self.capacity = max_bytes // slab_bytes
+        """How many slabs fit under the bound."""
         self._pin = torch.cuda.is_available() if pin is None else pin
-        self._free: dict[tuple[torch.dtype, int], list[torch.Tensor]] = defaultdict(list)
-        self._count: dict[tuple[torch.dtype, int], int] = defaultdict(int)
+        self._free: list[torch.Tensor] = []
+        self._slabs: dict[int, torch.Tensor] = {}  # data pointer -> slab
         self._cond = threading.Condition()
         self.allocations = 0
-        """Buffers allocated so far (flat after warm-up: the test of 'no allocation per call')."""
+        """Slabs allocated so far (flat after warm-up: the test of 'no allocation per call')."""
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of pinned memory the pool holds (in use or free); never above ``max_bytes``."""
+        return len(self._slabs) * self.slab_bytes
+
+    def _slab(self, timeout: timedelta, wait: bool) -> torch.Tensor | None:
+        with self._cond:
+            while not self._free:
+                if len(self._slabs) < self.capacity:
+                    slab = torch.empty(self.slab_bytes, dtype=torch.uint8, pin_memory=self._pin)
+                    self._slabs[slab.data_ptr()] = slab
+                    self.allocations += 1
+                    return slab
+                if not wait:
+                    return None
+                if not self._cond.wait(timeout.total_seconds()):
+                    raise PoolExhausted(f"no staging slab came free in {timeout} (the pool holds "
+                                        f"{self.capacity} x {self.slab_bytes} bytes, all in use)")
+            return self._free.pop()
 
     def take(self, dtype: torch.dtype, numel: int, timeout: timedelta) -> torch.Tensor:
-        key = (dtype, numel)
-        with self._cond:
-            while not self._free[key]:
-                if self._count[key] < self.max_buffers:
-                    self._count[key] += 1
-                    self.allocations += 1
-                    return torch.empty(numel, dtype=dtype, pin_memory=self._pin)
-                if not self._cond.wait(timeout.total_seconds()):
-                    raise PoolExhausted(f"no staging buffer of {numel} x {dtype} came free in {timeout}")
-            return self._free[key].pop()
+        """A free slab seen as ``numel`` elements of ``dtype`` (waits while all are in use)."""
+        self._fits(dtype, numel)
+        slab = self._slab(timeout, True)
+        assert slab is not None
+        return slab[:numel * _esize(dtype)].view(dtype)
+
+    def try_take(self, dtype: torch.dtype, numel: int) -> torch.Tensor | None:
+        """Like ``take`` but None at once when no slab is free and the bound is reached."""
+        self._fits(dtype, numel)
+        slab = self._slab(timedelta(0), False)
+        return None if slab is None else slab[:numel * _esize(dtype)].view(dtype)
+
+    def _fits(self, dtype: torch.dtype, numel: int) -> None:
+        if numel * _esize(dtype) > self.slab_bytes:
+            raise ValueError(f"{numel} x {dtype} does not fit one staging slab of {self.slab_bytes} bytes")
 
     def give(self, buf: torch.Tensor) -> None:
+        """Return a buffer ``take`` handed out (any view starting at its slab's first byte)."""
         with self._cond:
-            self._free[(buf.dtype, buf.numel())].append(buf)
+            self._free.append(self._slabs[buf.data_ptr()])
             self._cond.notify_all()
 
 
+def _esize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def plan_rounds(unit: int, pieces: int, element_size: int, slab_bytes: int) -> list[tuple[int, int]]:
+    """Element ranges [a, b) of ``unit`` such that one round, ``pieces`` regions of (b - a) elements each (every
+    region aligned), fits one slab. An all-gather over W ranks has W + 1 pieces: its rounds get smaller, never
+    more than one slab each. Raises ValueError when not even one element per piece fits."""
+    if unit <= 0:
+        return []
+    per = (slab_bytes // max(1, pieces)) // ALIGN * ALIGN // element_size
+    if per < 1:
+        raise ValueError(f"a staging slab of {slab_bytes} bytes cannot hold {pieces} pieces of one element")
+    return [(a, min(unit, a + per)) for a in range(0, unit, per)]
+
+
+class _DoneEvent:
+    """The event of a copy the double made: already complete."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class HostCopyDouble:
+    """Test double for a device copy stream, used only for CPU tensors whose staging is forced: copies run at
+    once on the calling thread and their events are already complete. The staged code paths above it (pool,
+    rounds, pipelining, counters) are the ones device tensors take."""
+
+    def wait_event(self, event: object) -> None:
+        pass
+
+
 class CopyStreams:
-    """Side streams for device <-> host copies of one device, created on first use."""
+    """Side streams for device <-> host copies of one device, created on first use (doubles for CPU)."""
 
     def __init__(self) -> None:
         self._streams: dict[torch.device, tuple[object, object]] = {}
@@ -70,17 +160,38 @@ class CopyStreams:
         """(device-to-host stream, host-to-device stream) for ``device``."""
         with self._lock:
             if device not in self._streams:
-                self._streams[device] = (torch.cuda.Stream(device=device), torch.cuda.Stream(device=device))
+                if device.type == "cpu":
+                    self._streams[device] = (HostCopyDouble(), HostCopyDouble())
+                else:
+                    self._streams[device] = (torch.cuda.Stream(device=device), torch.cuda.Stream(device=device))
             return self._streams[device]
 
 
+def capture(tensors: list[torch.Tensor]) -> object | None:
+    """On the caller's thread: an event on the current stream of the tensors' device (None for CPU), so that the
+    copies made later on a worker thread come after the kernels that produce (or last read) the tensors."""
+    for t in tensors:
+        if is_device(t):
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(t.device))
+            return event
+    return None
+
+
+def after(stream: object, ready: object | None) -> None:
+    """Make ``stream`` wait for ``ready`` (from ``capture``) without blocking the host."""
+    if ready is not None and not isinstance(stream, HostCopyDouble):
+        stream.wait_event(ready)  # type: ignore[attr-defined]
+
+
 def copy_to_host(src: torch.Tensor, dst: torch.Tensor, stream: object) -> object:
-    """Enqueue ``dst.copy_(src)`` on ``stream`` after the work already queued on src's current stream.
+    """Enqueue ``dst.copy_(src)`` on ``stream``; ``src`` is held (``record_stream``) until the copy ran.
 
     Returns the event recorded after the copy; ``event.synchronize()`` means ``dst`` holds the data.
     """
-    current = torch.cuda.current_stream(src.device)
-    stream.wait_stream(current)  # type: ignore[attr-defined]
+    if isinstance(stream, HostCopyDouble):
+        dst.copy_(src)
+        return _DoneEvent()
     with torch.cuda.stream(stream):  # type: ignore[arg-type]
         dst.copy_(src, non_blocking=True)
         src.record_stream(stream)  # type: ignore[arg-type]
@@ -90,9 +201,13 @@ def copy_to_host(src: torch.Tensor, dst: torch.Tensor, stream: object) -> object
 
 
 def copy_to_device(src: torch.Tensor, dst: torch.Tensor, stream: object) -> object:
-    """Enqueue ``dst.copy_(src)`` (host -> device) on ``stream``; returns the event after it."""
+    """Enqueue ``dst.copy_(src)`` (host -> device) on ``stream``; ``dst`` is held until it ran. Returns its event."""
+    if isinstance(stream, HostCopyDouble):
+        dst.copy_(src)
+        return _DoneEvent()
     with torch.cuda.stream(stream):  # type: ignore[arg-type]
         dst.copy_(src, non_blocking=True)
+        dst.record_stream(stream)  # type: ignore[arg-type]
         event = torch.cuda.Event()
         event.record(stream)  # type: ignore[arg-type]
     return event

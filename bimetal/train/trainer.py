@@ -79,6 +79,10 @@ def _device() -> torch.device:
         dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(dev)
         return dev
+    if torch.cuda.is_available() and os.environ.get("BIMETAL_SIMULATE_DEVICE") == "cuda":
+        dev = torch.device("cuda", 0)  # simulated vendors sharing the one GPU (scripts/gpu_check.sh)
+        torch.cuda.set_device(dev)
+        return dev
     return torch.device("cpu")
 
 

@@ -4,7 +4,8 @@ Registered as ``bimetal_cpu_forward`` (``bimetal.comm.registry``). Options: pass
 ``CpuForwardOptions`` as ``pg_options`` to ``dist.new_group``, or set the environment variables
 ``BIMETAL_CF_STRIPES`` (Gloo contexts per group), ``BIMETAL_CF_IFACES`` (comma-separated interface per
 stripe), ``BIMETAL_CF_CHUNK_BYTES`` (pipelining chunk, default 4M; sizes like 64K), ``BIMETAL_CF_POOL_BUFFERS``
-(pinned buffers per dtype, default 8), ``BIMETAL_CF_CHECKSUM=1`` (CRC32 on point-to-point
+(pinned staging slabs of the largest chunk, default 8),
+``BIMETAL_CF_FORCE_STAGING=1`` (stage CPU tensors too), ``BIMETAL_CF_CHECKSUM=1`` (CRC32 on point-to-point
 messages; a mismatch fails the receive instead of training on corrupted data) and ``BIMETAL_CF_STALL_S``
 (seconds without progress before one stripe of a point-to-point transfer is left and its chunks re-sent on
 the others; default min(10, timeout / 3); see ``failover``).

@@ -13,7 +13,9 @@ concurrently, over several stripes), waits for them with the group's deadline, a
 Device tensors are staged chunk by chunk through pinned buffers from a pool (see ``staging``): for a send,
 the device-to-host copies of all chunks are queued on a side stream with one event each, and chunk i is
 posted to Gloo as soon as its event fires, while later chunks are still copying; for a receive, chunk i is
-copied to the device while chunk i+1 is still arriving. CPU tensors go to Gloo as they are.
+copied to the device while chunk i+1 is still arriving. CPU tensors go to Gloo as they are (unless
+``BIMETAL_CF_FORCE_STAGING=1``). Collectives on device tensors run in rounds through the same pool
+(``rounds``, ``staged_ops``), except all-to-all with uneven splits, which stages whole tensors per call.
 
 With more than one stripe, point-to-point transfers run through ``failover.Transfer``: a stripe that stalls
 or fails mid-message is left for good and its chunks are re-sent on the others; the send completes when the
@@ -26,7 +28,6 @@ import threading
 import time
 import warnings
 import zlib
-from collections import deque
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -53,11 +54,22 @@ from bimetal.comm.base import (
     check_dtype,
     make_work,
 )
+from bimetal.comm.cpu_forward import rounds
+from bimetal.comm.cpu_forward import staged_ops as so
+from bimetal.comm.cpu_forward import staged_p2p as sp
 from bimetal.comm.cpu_forward.chunks import HostChunks, StagedRecv, StagedSend
 from bimetal.comm.cpu_forward.failover import StripeSet, Transfer, Waiter
 from bimetal.comm.cpu_forward.stats import StripeStats
 from bimetal.comm.cpu_forward.work import Deadline, DirectWork, Worker
-from bimetal.comm.staging import CopyStreams, PinnedPool, copy_to_device, copy_to_host, is_device
+from bimetal.comm.staging import (
+    CopyStreams,
+    PinnedPool,
+    after,
+    capture,
+    copy_to_device,
+    force_staging,
+    is_device,
+)
 from bimetal.comm.striping import SINGLE_BYTES, CpuForwardOptions, chunk_plan
 
 
@@ -74,7 +86,13 @@ class CpuForwardProcessGroup(BimetalProcessGroup):
         self.options = options
         self.interfaces = interfaces or [None] * len(stripes)
         self.checksum = checksum
-        self.pool = PinnedPool(options.pool_buffers)
+        slab = max(options.chunk_bytes, SINGLE_BYTES if len(stripes) > 1 else 0)
+        # a failover transfer keeps one chunk per stripe in flight: a send and a receive at once need 2K + more
+        slabs = max(options.pool_buffers, 4 * len(stripes) if len(stripes) > 1 else 0)
+        self.pool = PinnedPool(slabs * slab, slab)
+        """Pinned staging: ``pool_buffers`` slabs of the largest chunk, a bound in bytes (``staging``)."""
+        self.stage_all = force_staging()
+        """``BIMETAL_CF_FORCE_STAGING=1``: CPU tensors take the staged paths too (tests, ``gpu_check --cpu``)."""
         self._streams = CopyStreams()
         self._workers: dict[Any, Worker] = {}
         self._workers_lock = threading.Lock()
@@ -101,6 +119,10 @@ class CpuForwardProcessGroup(BimetalProcessGroup):
         return out
 
     # --- plumbing ------------------------------------------------------------------------------------
+    def _stages(self, *tensors: torch.Tensor) -> bool:
+        """Whether the op goes through the pinned pool: a device tensor, or staging forced for CPU ones."""
+        return self.stage_all or any(is_device(t) for t in tensors)
+
     def _worker(self, key: Any) -> Worker:
         with self._workers_lock:
             if key not in self._workers:
@@ -178,9 +200,11 @@ class CpuForwardProcessGroup(BimetalProcessGroup):
         check_dtype(op, tensor)
         if len(self.stripes) > 1:
             turn = self._turn("send", dst)
-            return self._submit(("send", dst), op, lambda d: self._send_failover(tensor, dst, tag, turn, d))
-        if is_device(tensor):
-            return self._submit(("send", dst), op, lambda d: self._send_staged(tensor, dst, tag, 0, d))
+            ready = capture([tensor])
+            return self._submit(("send", dst), op, lambda d: self._send_failover(tensor, dst, tag, turn, d, ready))
+        if self._stages(tensor):
+            ready = capture([tensor])
+            return self._submit(("send", dst), op, lambda d: sp.send_staged(self, tensor, dst, tag, 0, d, ready))
         flat = tensor if tensor.is_contiguous() else tensor.contiguous()  # (Gloo reads the bytes; any shape)
         if self._direct(("send", dst)):  # the fast path: posted here, waited for by the caller (work.py)
             return self._post_direct(op, lambda: self._post_send_host(flat, dst, tag))
@@ -192,9 +216,11 @@ class CpuForwardProcessGroup(BimetalProcessGroup):
         check_dtype(op, tensor)
         if len(self.stripes) > 1:
             turn = self._turn("recv", src)
-            return self._submit(("recv", src), op, lambda d: self._recv_failover(tensor, src, tag, turn, d))
-        if is_device(tensor):
-            return self._submit(("recv", src), op, lambda d: self._recv_staged(tensor, src, tag, 0, d))
+            ready = capture([tensor])
+            return self._submit(("recv", src), op, lambda d: self._recv_failover(tensor, src, tag, turn, d, ready))
+        if self._stages(tensor):
+            ready = capture([tensor])
+            return self._submit(("recv", src), op, lambda d: sp.recv_staged(self, tensor, src, tag, 0, d, ready))
         if self._direct(("recv", src)):
             return self._post_direct(op, lambda: self._post_recv_host(tensor, src, tag, op))
         return self._submit(("recv", src), op, lambda d: self._wait_all(d, *self._post_recv_host(tensor, src, tag, op)))
@@ -204,6 +230,11 @@ class CpuForwardProcessGroup(BimetalProcessGroup):
 
     def _plan(self, numel: int, esize: int, first: int) -> list[tuple[int, int, int]]:
         return chunk_plan(numel, esize, self.options.chunk_bytes, len(self.stripes), first)
+
+    def _depth(self) -> int:
+        """Chunks one staged transfer keeps in flight (and as many copying): a quarter of the pool, so that a send
+        and a receive in flight at once never wait on each other for slabs."""
+        return max(1, self.pool.capacity // 4)
 
     def _pool_numel(self, t: torch.Tensor) -> int:
         """Elements of a staging buffer for ``t``'s dtype: one size per dtype (the largest chunk any plan makes),
@@ -236,10 +267,12 @@ class CpuForwardProcessGroup(BimetalProcessGroup):
         if key[0] == "send":
             self.stats.transfer(t.moved, t.rounds)
 
-    def _send_failover(self, tensor: torch.Tensor, dst: int, tag: int, turn: int, d: Deadline) -> None:
+    def _send_failover(self, tensor: torch.Tensor, dst: int, tag: int, turn: int, d: Deadline,
+                       ready: object | None = None) -> None:
         flat = tensor.detach().reshape(-1) if tensor.is_contiguous() else tensor.detach().contiguous().view(-1)
-        if is_device(flat):
-            t, ranges = self._transfer(("send", dst), dst, tag, turn, flat, d, max(1, self.options.pool_buffers // 2))
+        if self._stages(flat):
+            after(self._streams.pair(flat.device)[0], ready)
+            t, ranges = self._transfer(("send", dst), dst, tag, turn, flat, d, self._depth())
             io: Any = StagedSend(flat, ranges, self.pool, self._streams.pair(flat.device)[0], self.timeout,
                                   self._pool_numel(flat))
             t.send(io)
@@ -265,17 +298,19 @@ class CpuForwardProcessGroup(BimetalProcessGroup):
         self._settled(("send", dst), t)
         self.counters.add(bytes_sent=nbytes, bytes_direct=nbytes)
 
-    def _recv_failover(self, tensor: torch.Tensor, src: int, tag: int, turn: int, d: Deadline) -> None:
-        if is_device(tensor):
-            out = tensor.view(-1) if tensor.is_contiguous() else torch.empty_like(tensor).view(-1)
-            t, ranges = self._transfer(("recv", src), src, tag, turn, out, d, max(1, self.options.pool_buffers // 2))
+    def _recv_failover(self, tensor: torch.Tensor, src: int, tag: int, turn: int, d: Deadline,
+                       ready: object | None = None) -> None:
+        if self._stages(tensor):
+            after(self._streams.pair(tensor.device)[1], ready)
+            out = tensor.detach().view(-1) if tensor.is_contiguous() else torch.empty_like(tensor).view(-1)
+            t, ranges = self._transfer(("recv", src), src, tag, turn, out, d, self._depth())
             staged = StagedRecv(out, ranges, self.pool, self._streams.pair(out.device)[1], self.timeout,
-                                 max(1, self.options.pool_buffers // 2), self._pool_numel(out))
+                                 self._depth(), self._pool_numel(out))
 
             def complete_staged() -> None:
                 staged.finish()
                 if not tensor.is_contiguous():
-                    tensor.copy_(out.view(tensor.shape))
+                    tensor.detach().copy_(out.view(tensor.shape))
                 self.counters.add(bytes_received=out.numel() * out.element_size(),
                                   bytes_staged=out.numel() * out.element_size())
                 d.release()
@@ -379,79 +414,19 @@ class CpuForwardProcessGroup(BimetalProcessGroup):
         raw = data.contiguous().reshape(-1).view(torch.uint8).numpy()
         return torch.tensor([zlib.crc32(raw)], dtype=torch.int64)  # type: ignore[arg-type]
 
-    def _send_staged(self, tensor: torch.Tensor, dst: int, tag: int, first: int, d: Deadline) -> None:
-        flat = tensor.detach().reshape(-1)
-        d2h, _ = self._streams.pair(tensor.device)
-        plan = self._plan(flat.numel(), flat.element_size(), first)
-        size, depth = self._pool_numel(flat), max(1, self.options.pool_buffers // 2)
-        copies: deque[tuple[int, int, int, torch.Tensor, object]] = deque()  # D2H queued, not yet sent
-        inflight: deque[tuple[dist.Work, torch.Tensor]] = deque()  # posted to Gloo
-        nxt = 0
-
-        def queue_copy(buf: torch.Tensor) -> None:
-            nonlocal nxt
-            a, b, s = plan[nxt]
-            copies.append((a, b, s, buf, copy_to_host(flat[a:b], buf[:b - a], d2h)))
-            nxt += 1
-
-        while nxt < len(plan) and len(copies) < depth:  # the GPU copies ahead while the network sends
-            queue_copy(self.pool.take(flat.dtype, size, self.timeout))
-        while copies:
-            a, b, s, buf, event = copies.popleft()
-            event.synchronize()  # type: ignore[attr-defined]
-            inflight.append((self.stripes[s].send([buf[:b - a]], dst, tag), buf))
-            if nxt < len(plan):  # keep `depth` chunks on the wire; then reuse the oldest sent buffer
-                if len(inflight) < depth:
-                    queue_copy(self.pool.take(flat.dtype, size, self.timeout))
-                else:
-                    w, old = inflight.popleft()
-                    d.wait(w)
-                    queue_copy(old)
-        while inflight:
-            w, buf = inflight.popleft()
-            d.wait(w)
-            self.pool.give(buf)
-        nbytes = flat.numel() * flat.element_size()
-        self.counters.add(bytes_sent=nbytes, bytes_staged=nbytes)
-
-    def _recv_staged(self, tensor: torch.Tensor, src: int, tag: int, first: int, d: Deadline) -> None:
-        out = tensor.view(-1) if tensor.is_contiguous() else torch.empty_like(tensor).view(-1)
-        _, h2d = self._streams.pair(tensor.device)
-        plan = self._plan(out.numel(), out.element_size(), first)
-        size = self._pool_numel(out)
-        depth = max(1, self.options.pool_buffers // 2)
-        posted: deque[tuple[int, int, dist.Work, torch.Tensor]] = deque()
-        copying: deque[tuple[object, torch.Tensor]] = deque()
-        nxt = 0
-        while nxt < len(plan) or posted:
-            while nxt < len(plan) and len(posted) < depth:  # keep several chunks arriving
-                a, b, s = plan[nxt]
-                buf = self.pool.take(out.dtype, size, self.timeout)
-                posted.append((a, b, self.stripes[s].recv([buf[:b - a]], src, tag), buf))
-                nxt += 1
-            a, b, w, buf = posted.popleft()
-            d.wait(w)
-            copying.append((copy_to_device(buf[:b - a], out[a:b], h2d), buf))
-            while len(copying) > depth:
-                event, old = copying.popleft()
-                event.synchronize()  # type: ignore[attr-defined]
-                self.pool.give(old)
-        for event, buf in copying:
-            event.synchronize()  # type: ignore[attr-defined]
-            self.pool.give(buf)
-        if not tensor.is_contiguous():
-            tensor.copy_(out.view(tensor.shape))
-        nbytes = out.numel() * out.element_size()
-        self.counters.add(bytes_received=nbytes, bytes_staged=nbytes)
-
     # --- collectives ---------------------------------------------------------------------------------
     def _collective(self, name: str, ins: list[torch.Tensor], outs: list[torch.Tensor],
-                    call: Callable[[Callable[[torch.Tensor], torch.Tensor]], list[dist.Work]]) -> dist.Work:
+                    call: Callable[[Callable[[torch.Tensor], torch.Tensor]], list[dist.Work]],
+                    staged: Callable[[Callable[[torch.Tensor], torch.Tensor], so.Stripe], list[rounds.Staged]]
+                    | None = None) -> dist.Work:
         # ``body`` returns the outputs: the future's value, like NCCL's
-        """Run ``call(host)`` on the collective worker; ``host(t)`` is t's host (contiguous) stand-in."""
+        """Run ``call(host)`` on the collective worker; ``host(t)`` is t's host (contiguous) stand-in. With
+        device tensors (or staging forced), ``staged(flat, stripe)`` instead: the op in rounds through the pool."""
         op = self._begin(name)
         for t in (*ins, *outs):
             check_dtype(op, t)
+        if staged is not None and self._stages(*ins, *outs):
+            return self._submit("collective", op, self._staged_body(ins, outs, staged))
 
         def body(d: Deadline) -> list[torch.Tensor]:
             stand_in: dict[int, torch.Tensor] = {}
@@ -481,6 +456,35 @@ class CpuForwardProcessGroup(BimetalProcessGroup):
 
         return self._submit("collective", op, body)
 
+    def _staged_body(self, ins: list[torch.Tensor], outs: list[torch.Tensor],
+                     staged: Callable[[Callable[[torch.Tensor], torch.Tensor], so.Stripe], list[rounds.Staged]]
+                     ) -> Callable[[Deadline], list[torch.Tensor]]:
+        """On the caller's thread: flat contiguous views (a contiguous copy, made on the producer's stream, for a
+        strided tensor) and the producer's event; the returned body runs the rounds on the worker."""
+        flat: dict[int, torch.Tensor] = {}
+        for t in (*ins, *outs):
+            if id(t) not in flat:
+                if t.is_contiguous():
+                    flat[id(t)] = t.detach().view(-1)
+                elif any(t is i for i in ins):
+                    flat[id(t)] = t.detach().contiguous().view(-1)
+                else:
+                    flat[id(t)] = torch.empty(t.numel(), dtype=t.dtype, device=t.device)
+        ready = capture([*ins, *outs])
+        device = (ins or outs)[0].device
+
+        def body(d: Deadline) -> list[torch.Tensor]:
+            streams = self._streams.pair(device)
+            ops = staged(lambda t: flat[id(t)], lambda i: self._cstripe(i % len(self.stripes)))
+            nbytes = sum(rounds.run(s, self.pool, streams, ready, d, self.timeout) for s in ops)
+            for t in outs:
+                if not t.is_contiguous():
+                    copy_to_device(flat[id(t)].view(t.shape), t, streams[1]).synchronize()  # type: ignore[attr-defined]
+            self.counters.add(bytes_staged=nbytes)
+            return list(outs)
+
+        return body
+
     def _cstripe(self, i: int) -> Any:
         """Stripe ``i`` for a collective; collectives do not fail over, so a degraded stripe is an error."""
         if self.links.is_dead(i):
@@ -503,7 +507,8 @@ class CpuForwardProcessGroup(BimetalProcessGroup):
                     works.append(self._cstripe(i).allreduce([part], o))
             return works
 
-        return self._collective("all_reduce", tensors, tensors, call)
+        return self._collective("all_reduce", tensors, tensors, call,
+                                lambda f, st: [so.allreduce(f(t), st, opts.reduceOp) for t in tensors])
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:  # type: ignore[override]
         return self.allreduce(tensors, opts)
@@ -528,25 +533,29 @@ class CpuForwardProcessGroup(BimetalProcessGroup):
                     works.append(self._cstripe(i).broadcast([part], o))
             return works
 
-        return self._collective("broadcast", ins, tensors, call)
+        return self._collective("broadcast", ins, tensors, call,
+                                lambda f, st: [so.broadcast(f(t), st, root, self._rank) for t in tensors])
 
     def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],  # type: ignore[override]
                   opts: Any = None) -> dist.Work:
         outs = [t for lst in output_lists for t in lst]
         return self._collective("all_gather", inputs, outs, lambda h: [self._cstripe(0).allgather(
-            [[h(t) for t in lst] for lst in output_lists], [h(t) for t in inputs], AllgatherOptions())])
+            [[h(t) for t in lst] for lst in output_lists], [h(t) for t in inputs], AllgatherOptions())],
+            lambda f, st: [so.all_gather([f(o) for o in lst], f(i), st) for lst, i in zip(output_lists, inputs)])
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,  # type: ignore[override]
                           opts: Any = None) -> dist.Work:
         return self._collective("all_gather_into_tensor", [input], [output], lambda h: [
-            self._cstripe(0)._allgather_base(h(output), h(input), AllgatherOptions())])
+            self._cstripe(0)._allgather_base(h(output), h(input), AllgatherOptions())],
+            lambda f, st: [so.all_gather_into(f(output), f(input), st, self._size)])
 
     _allgather_base = all_gather_single  # type: ignore[assignment]
 
     def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],  # type: ignore[override]
                                         opts: Any = None) -> dist.Work:
         return self._collective("all_gather_into_tensor_coalesced", inputs, outputs, lambda h: [
-            self._cstripe(0)._allgather_base(h(o), h(i), AllgatherOptions()) for o, i in zip(outputs, inputs)])
+            self._cstripe(0)._allgather_base(h(o), h(i), AllgatherOptions()) for o, i in zip(outputs, inputs)],
+            lambda f, st: [so.all_gather_into(f(o), f(i), st, self._size) for o, i in zip(outputs, inputs)])
 
     def reduce_scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]],  # type: ignore[override]
                        opts: Any = None) -> dist.Work:
@@ -559,7 +568,8 @@ class CpuForwardProcessGroup(BimetalProcessGroup):
             return [self._cstripe(0).reduce_scatter([h(t) for t in outputs], [[h(t) for t in lst]
                                                                             for lst in input_lists], o)]
 
-        return self._collective("reduce_scatter", ins, outputs, call)
+        return self._collective("reduce_scatter", ins, outputs, call, lambda f, st: [
+            so.reduce_scatter(f(o), [f(t) for t in lst], st, opts.reduceOp) for o, lst in zip(outputs, input_lists)])
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,  # type: ignore[override]
                               opts: Any = None) -> dist.Work:
@@ -570,7 +580,8 @@ class CpuForwardProcessGroup(BimetalProcessGroup):
             o.reduceOp = opts.reduceOp
             return [self._cstripe(0)._reduce_scatter_base(h(output), h(input), o)]
 
-        return self._collective("reduce_scatter_tensor", [input], [output], call)
+        return self._collective("reduce_scatter_tensor", [input], [output], call, lambda f, st: [
+            so.reduce_scatter_into(f(output), f(input), st, self._size, opts.reduceOp)])
 
     _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]
 
@@ -586,19 +597,25 @@ class CpuForwardProcessGroup(BimetalProcessGroup):
                 works.append(self._cstripe(0)._reduce_scatter_base(h(out), h(inp), o))
             return works
 
-        return self._collective("reduce_scatter_tensor_coalesced", inputs, outputs, call)
+        return self._collective("reduce_scatter_tensor_coalesced", inputs, outputs, call, lambda f, st: [
+            so.reduce_scatter_into(f(o), f(i), st, self._size, opts.reduceOp) for o, i in zip(outputs, inputs)])
 
     def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],  # type: ignore[override]
                       input_split_sizes: list[int], opts: Any = None) -> dist.Work:
+        equal = all(len(set(s)) <= 1 for s in (output_split_sizes, input_split_sizes)) and \
+            input.numel() % self._size == 0 and output.numel() == input.numel()
         return self._collective("all_to_all_single", [input], [output], lambda h: [self._cstripe(0).alltoall_base(
-            h(output), h(input), list(output_split_sizes), list(input_split_sizes), AllToAllOptions())])
+            h(output), h(input), list(output_split_sizes), list(input_split_sizes), AllToAllOptions())],
+            (lambda f, st: [so.all_to_all_equal(f(output), f(input), st, self._size)]) if equal else None)
 
     all_to_all_single = alltoall_base  # type: ignore[assignment]
 
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],  # type: ignore[override]
                  opts: Any = None) -> dist.Work:
+        equal = len({t.numel() for t in (*inputs, *outputs)}) == 1
         return self._collective("all_to_all", inputs, outputs, lambda h: [self._cstripe(0).alltoall(
-            [h(t) for t in outputs], [h(t) for t in inputs], AllToAllOptions())])
+            [h(t) for t in outputs], [h(t) for t in inputs], AllToAllOptions())],
+            (lambda f, st: [so.all_to_all([f(t) for t in outputs], [f(t) for t in inputs], st)]) if equal else None)
 
     def barrier(self, opts: Any = None) -> dist.Work:  # type: ignore[override]
         return self._collective("barrier", [], [], lambda h: [self._cstripe(0).barrier(BarrierOptions())])
@@ -613,7 +630,8 @@ class CpuForwardProcessGroup(BimetalProcessGroup):
             o.rootRank = opts.rootRank
             return [self._cstripe(0).scatter([h(t) for t in outputs], [[h(t) for t in lst] for lst in input_lists], o)]
 
-        return self._collective("scatter", ins, outputs, call)
+        return self._collective("scatter", ins, outputs, call, lambda f, st: [
+            so.scatter(f(outputs[0]), [f(t) for t in ins], st, opts.rootRank, self._size)])
 
     def gather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],  # type: ignore[override]
                opts: Any = None) -> dist.Work:
@@ -625,7 +643,8 @@ class CpuForwardProcessGroup(BimetalProcessGroup):
             o.rootRank = opts.rootRank
             return [self._cstripe(0).gather([[h(t) for t in lst] for lst in output_lists], [h(t) for t in inputs], o)]
 
-        return self._collective("gather", inputs, outs, call)
+        return self._collective("gather", inputs, outs, call, lambda f, st: [
+            so.gather([f(t) for t in outs], f(inputs[0]), st, opts.rootRank, self._size)])
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:  # type: ignore[override]
         opts = opts or ReduceOptions()
@@ -635,7 +654,8 @@ class CpuForwardProcessGroup(BimetalProcessGroup):
             o.reduceOp, o.rootRank, o.rootTensor = opts.reduceOp, opts.rootRank, opts.rootTensor
             return [self._cstripe(0).reduce([h(t) for t in tensors], o)]
 
-        return self._collective("reduce", tensors, tensors, call)
+        return self._collective("reduce", tensors, tensors, call, lambda f, st: [
+            so.reduce(f(t), st, opts.reduceOp, opts.rootRank) for t in tensors])
 
     def monitored_barrier(self, opts: Any = None, wait_all_ranks: bool = False) -> None:  # type: ignore[override]
         raise UnsupportedOperation(f"group {self.description!r}: monitored_barrier is not supported by "

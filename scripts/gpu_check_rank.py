@@ -1,0 +1,214 @@
+"""Rank program of ``scripts/gpu_check.py``: the transport rows of the GPU check, on one rank of two.
+
+Usage (under ``bimetal launch --simulate nvidia:1,amd:1``): ``python gpu_check_rank.py OUT_DIR DEVICE BW_MIB
+OVERLAP_MIB``. Both ranks use ``DEVICE`` (``cuda``: the one GPU, shared; ``cpu``: CPU tensors, with
+``BIMETAL_CF_FORCE_STAGING=1`` set by the caller so the staged code runs). Writes ``OUT_DIR/rank<r>.json``: a
+list of rows ``{"check", "pass", "value"}``; ``pass`` is None where a row is measured but not judged.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import bimetal  # noqa: F401  (registers the back-ends)
+from bimetal.comm.cpu_forward import CpuForwardOptions
+
+MiB = 1 << 20
+
+
+def sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def data(n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if dtype.is_floating_point:
+        return (torch.randn(n, generator=g) * 10).to(dtype)
+    return torch.randint(-1000, 1000, (n,), generator=g, dtype=dtype)
+
+
+def op_cases(rank: int, world: int) -> dict[str, Callable[[Any, Callable, torch.dtype], list[torch.Tensor]]]:
+    """name -> fn(group, put, dtype) returning result tensors; ``put`` moves a tensor where the group wants it."""
+    n = 40_001  # odd; 160 KB of float32: several rounds with 64 KiB chunks
+
+    def p2p(g: Any, put: Callable, dt: torch.dtype) -> list[torch.Tensor]:
+        x, got = put(data(n, dt, rank)), put(torch.empty(n, dtype=dt))
+        works = [dist.isend(x, (rank + 1) % world, group=g), dist.irecv(got, (rank - 1) % world, group=g)]
+        for w in works:
+            assert w is not None
+            w.wait()
+        return [got]
+
+    def all_reduce(g: Any, put: Callable, dt: torch.dtype) -> list[torch.Tensor]:
+        out = []
+        for op in (dist.ReduceOp.SUM, dist.ReduceOp.MAX):
+            x = put(data(n, dt, 10 + rank))
+            dist.all_reduce(x, op=op, group=g)
+            out.append(x)
+        return out
+
+    def broadcast(g: Any, put: Callable, dt: torch.dtype) -> list[torch.Tensor]:
+        x = put(data(n, dt, 20 + rank))
+        dist.broadcast(x, src=world - 1, group=g)
+        return [x]
+
+    def reduce(g: Any, put: Callable, dt: torch.dtype) -> list[torch.Tensor]:
+        x = put(data(n, dt, 30 + rank))
+        dist.reduce(x, dst=0, group=g)
+        return [x] if rank == 0 else []
+
+    def all_gather(g: Any, put: Callable, dt: torch.dtype) -> list[torch.Tensor]:
+        x = put(data(n, dt, 40 + rank))
+        outs = [put(torch.empty(n, dtype=dt)) for _ in range(world)]
+        dist.all_gather(outs, x, group=g)
+        flat = put(torch.empty(world * n, dtype=dt))
+        dist.all_gather_into_tensor(flat, x, group=g)
+        return [*outs, flat]
+
+    def reduce_scatter(g: Any, put: Callable, dt: torch.dtype) -> list[torch.Tensor]:
+        x = put(data(world * n, dt, 50 + rank))
+        out = put(torch.empty(n, dtype=dt))
+        dist.reduce_scatter_tensor(out, x, group=g)
+        out2 = put(torch.empty(n, dtype=dt))
+        dist.reduce_scatter(out2, list(x.chunk(world)), group=g)
+        return [out, out2]
+
+    def all_to_all(g: Any, put: Callable, dt: torch.dtype) -> list[torch.Tensor]:
+        x = put(data(world * n, dt, 60 + rank))
+        out = put(torch.empty(world * n, dtype=dt))
+        dist.all_to_all_single(out, x, group=g)
+        outs = [put(torch.empty(n, dtype=dt)) for _ in range(world)]
+        dist.all_to_all(outs, list(x.chunk(world)), group=g)
+        return [out, *outs]
+
+    def gather_scatter(g: Any, put: Callable, dt: torch.dtype) -> list[torch.Tensor]:
+        x = put(data(n, dt, 70 + rank))
+        outs = [put(torch.empty(n, dtype=dt)) for _ in range(world)] if rank == 0 else None
+        dist.gather(x, outs, dst=0, group=g)
+        y = put(torch.empty(n, dtype=dt))
+        ins = [put(data(n, dt, 80 + r)) for r in range(world)] if rank == 0 else None
+        dist.scatter(y, ins, src=0, group=g)
+        dist.barrier(group=g)
+        return [*(outs or []), y]
+
+    return {"p2p": p2p, "all_reduce": all_reduce, "broadcast": broadcast, "reduce": reduce,
+            "all_gather": all_gather, "reduce_scatter": reduce_scatter, "all_to_all": all_to_all,
+            "gather/scatter/barrier": gather_scatter}
+
+
+def timed(fn: Callable[[], object], dev: torch.device, repeat: int = 3) -> float:
+    """Median seconds of ``fn`` after one warm-up, both ranks starting together."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        dist.barrier()
+        sync(dev)
+        t0 = time.perf_counter()
+        fn()
+        sync(dev)
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def send_recv(g: Any, t: torch.Tensor, rank: int) -> Callable[[], None]:
+    def run() -> None:
+        (dist.send if rank == 0 else dist.recv)(t, 1 - rank, group=g)
+    return run
+
+
+def main() -> None:
+    out_dir, device, bw_mib, ov_mib = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    dev = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ref = dist.new_group(backend="gloo")
+    small = dist.new_group(backend="bimetal_cpu_forward", pg_options=CpuForwardOptions(stripes=1, chunk_bytes=64 << 10))
+    cf = dist.new_group(backend="bimetal_cpu_forward", pg_options=CpuForwardOptions(stripes=1))
+    rows: list[dict] = []
+
+    # 1. every op on device tensors, bit-identical to Gloo on the same data (host copies)
+    for name, fn in op_cases(rank, world).items():
+        bad = []
+        for dt in (torch.float32, torch.bfloat16, torch.int64):
+            got = [t.cpu() for t in fn(small, lambda t: t.to(dev), dt)]
+            want = fn(ref, lambda t: t, dt)
+            if len(got) != len(want) or not all(torch.equal(a, b) for a, b in zip(got, want)):
+                bad.append(str(dt)[6:])
+        rows.append({"check": f"cf {name} == gloo", "pass": not bad,
+                     "value": "bit-identical (f32, bf16, i64)" if not bad else f"differs: {', '.join(bad)}"})
+    staged = small.comm_stats()["bytes_staged"]  # type: ignore[attr-defined]
+    rows.append({"check": "cf staged through the pool", "pass": staged > 0, "value": f"{staged / MiB:.1f} MiB"})
+
+    # 2. bandwidth of a BW_MIB send: cpu-forward on device tensors vs plain Gloo on host tensors
+    n = bw_mib * MiB // 4
+    t_cf = timed(send_recv(cf, torch.ones(n, device=dev), rank), dev)
+    t_gloo = timed(send_recv(ref, torch.ones(n), rank), dev)
+    rows.append({"check": f"bandwidth {bw_mib} MiB staged vs gloo", "pass": None,
+                 "value": f"{bw_mib / 1024 / t_cf:.2f} vs {bw_mib / 1024 / t_gloo:.2f} GiB/s "
+                          f"(ratio {t_gloo / t_cf:.2f})"})
+
+    # 3. overlap: one chunked send vs the sum of its copies and its wire time
+    n = ov_mib * MiB // 4
+    src = torch.ones(n, device=dev)
+    host = torch.empty(n, pin_memory=dev.type == "cuda")
+    t_send = timed(send_recv(cf, src, rank), dev, 2)
+    t_wire = timed(send_recv(ref, host, rank), dev, 2)
+    t_copy = timed(lambda: host.copy_(src, non_blocking=True), dev, 2)  # one way on this rank
+    ratio = t_send / (t_wire + t_copy * 2)  # device -> host at the sender, host -> device at the receiver
+    rows.append({"check": f"overlap {ov_mib} MiB send / (copies + wire)",
+                 "pass": ratio < 1.0 if dev.type == "cuda" else None,
+                 "value": f"{t_send:.3f} s / ({2 * t_copy:.3f} + {t_wire:.3f} s) = {ratio:.2f}"
+                          + ("" if dev.type == "cuda" else " (CPU copy double is synchronous: not judged)")})
+
+    # 4. pool allocations flat after warm-up
+    x, y = torch.ones(300_000, device=dev), torch.empty(300_000, device=dev)
+    outs = [torch.empty(300_000, device=dev) for _ in range(world)]
+
+    def mixed() -> None:
+        works = [dist.isend(x, 1 - rank, group=cf), dist.irecv(y, 1 - rank, group=cf)]
+        for w in works:
+            assert w is not None
+            w.wait()
+        dist.all_reduce(x, group=cf)
+        dist.all_gather(outs, x, group=cf)
+    mixed()
+    before = cf.comm_stats()["pool_buffers_allocated"]  # type: ignore[attr-defined]
+    for _ in range(20):
+        mixed()
+    after = cf.comm_stats()["pool_buffers_allocated"]  # type: ignore[attr-defined]
+    rows.append({"check": "pool allocations after warm-up", "pass": after == before,
+                 "value": f"{before} slabs after warm-up, {after} after 20 more rounds"})
+
+    # 5. device-direct on device memory over Mooncake's TCP protocol: nothing staged
+    try:
+        dd = dist.new_group(backend="bimetal_device_direct", pg_options={"host": "127.0.0.1", "protocol": "tcp"})
+        msg = data(4 * MiB // 4, torch.float32, 90).to(dev)
+        into = torch.empty_like(msg)
+        send_recv(dd, msg if rank == 0 else into, rank)()
+        st = dd.comm_stats()  # type: ignore[attr-defined]
+        ok = (rank == 0 or torch.equal(into.cpu(), msg.cpu())) and st["bytes_staged"] == 0
+        rows.append({"check": "device-direct tcp, nothing staged", "pass": ok,
+                     "value": f"{st['bytes_staged']} bytes staged, data {'equal' if ok else 'DIFFERENT'}"})
+    except Exception as exc:  # a row, not a crash: the table still prints
+        rows.append({"check": "device-direct tcp, nothing staged", "pass": False,
+                     "value": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"})
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(rows, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

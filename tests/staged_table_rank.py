@@ -1,0 +1,51 @@
+"""Rank program: the operation table (``op_table_rank.py``) on cpu-forward with staging forced.
+
+Usage (under ``bimetal launch``, with ``BIMETAL_CF_FORCE_STAGING=1``): ``python staged_table_rank.py OUT_DIR``.
+Runs every row on cpu-forward with one and two stripes, as ``op_table_rank`` does, but the groups stage their
+CPU tensors through the pinned pool in rounds (the path device tensors take; ``staging.HostCopyDouble``
+stands in for the copy engine). One more row per transport checks that staging really happened.
+Not collected by pytest; ``test_staging.py`` drives it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import op_table_rank as table  # noqa: E402
+
+from bimetal.comm.cpu_forward import CpuForwardOptions  # noqa: E402
+
+
+def main() -> None:
+    out_dir = sys.argv[1]
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ref = dist.new_group(backend="gloo")
+    results: list[dict] = []
+    for k in (1, 2):
+        name = f"cpu-forward/k{k}"
+        opts = CpuForwardOptions(stripes=k, interfaces=["lo"] * k, chunk_bytes=4096)
+        g = dist.new_group(backend="bimetal_cpu_forward", group_desc=table.DESCS[name], pg_options=opts)
+        table.run_table(name, g, table.EVERY_KIND, ref, rank, world, results)
+        pg: Any = g  # the group object is the bimetal process group
+        stats = pg.comm_stats()
+        ok = pg.stage_all and stats["bytes_staged"] > 0
+        results.append({"transport": name, "case": "staging.forced", "ok": bool(ok), "seconds": 0.0,
+                        "detail": "" if ok else f"stage_all={pg.stage_all}, {stats}"})
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -37,7 +37,7 @@ debian-packages:
 	fi
 
 lint: $(STAMP)
-	$(BIN)/ruff check bimetal tests
+	$(BIN)/ruff check bimetal tests scripts
 	$(BIN)/mypy
 
 test: $(STAMP) debian-packages lint

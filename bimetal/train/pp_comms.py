@@ -43,6 +43,8 @@ class MeteredStage(PipelineStage):
         self.sent_bytes = 0
         self.recv_bytes = 0
         self.compute_s = 0.0
+        self.fsdp_held: dict[str, int] | None = None
+        """Under FSDP: what it held unsharded just before the first step's last backward (``memory-rank<R>.json``)."""
 
     def reset_counters(self) -> None:
         self.sent_bytes, self.recv_bytes, self.compute_s = 0, 0, 0.0
@@ -77,6 +79,10 @@ class MeteredStage(PipelineStage):
         overlap the backward of the blocks before it, as without a pipeline.
         """
         if last_backward and backward_type == "full" and isinstance(self.submod, FSDPModule):
+            if self.fsdp_held is None:  # the step's peak: every block gathered, earlier gradients accumulated
+                from bimetal.train.memory import fsdp_unsharded_bytes
+
+                self.fsdp_held = fsdp_unsharded_bytes(self.submod)
             self.submod.set_is_last_backward(True)
             self.submod.set_reshard_after_backward(True)
             self.submod.set_requires_gradient_sync(True)

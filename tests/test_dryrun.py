@@ -155,22 +155,27 @@ def test_cluster_must_match_layout(capsys: pytest.CaptureFixture[str]) -> None:
     assert rc == 2 and "has 16" in err and err.count("\n") == 1
 
 
-@pytest.mark.parametrize("bf16", [True, False], ids=["bf16-autocast", "float32"])
-def test_fake_measurement_equals_real_tensors(bf16: bool) -> None:
-    """The bytes measured on fake tensors are those a real forward of the same stage saves."""
+@pytest.mark.parametrize(("bf16", "fsdp"), [(True, False), (False, False), (True, True)],
+                         ids=["bf16-autocast", "float32", "fsdp-bf16"])
+def test_fake_measurement_equals_real_tensors(bf16: bool, fsdp: bool) -> None:
+    """The bytes measured on fake tensors are those a real forward of the same stage saves (under FSDP in
+    bf16: the block's weights and its input in bf16, as FSDP gathers and casts them)."""
     from bimetal.models import build_model, build_stage, prune_to_stage
     from bimetal.train.memory import measure_saved, measure_stage
 
     meta = prune_to_stage(build_model("llama3", "debug", device="meta"), [2, 3], False, True)
-    fake = measure_stage(meta, 1, 2, 64, bf16)
+    fake = measure_stage(meta, 1, 2, 64, bf16, fsdp=fsdp)
     real = build_stage("llama3", "debug", [2, 3], False, True)
-    block = real.layers["2"]
-    x = torch.randn(2, 64, real.args.dim, requires_grad=True)
+    low = torch.bfloat16 if fsdp else torch.float32
+    block = real.layers["2"].to(low)
+    x = torch.randn(2, 64, real.args.dim, requires_grad=True, dtype=low)
     cos, sin = real._rope(64, x.device, x.dtype)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
         got = measure_saved(block, lambda: block(x, cos, sin).sum(), skip=(cos, sin))
     assert (got.activations, got.weight_copies) == (fake.block.activations, fake.block.weight_copies)
-    assert got.activations > 0 and (got.weight_copies > 0) == bf16
+    assert got.activations > 0 and (got.weight_copies > 0) == (bf16 and not fsdp)
+    if fsdp:
+        return
     # The dry-run's copy of the loss is the trainer's: the same head bytes with the trainer's own function.
     from bimetal.train.trainer import _loss_fn
     assert measure_stage(meta, 1, 2, 64, bf16, loss=_loss_fn).head == fake.head

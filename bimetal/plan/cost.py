@@ -163,8 +163,9 @@ def stage_memory(m: ModelDims, layers: int, first: bool, last: bool, tp: int, mi
     hd = m.dim // m.heads
     act = (layers - ckpt) * saved + ckpt * tokens * m.dim * size + 2 * seq * hd * size
     act += 8 * tokens if first else 0  # token ids saved by the embedding
-    if last:  # final norm, output input, fp32 log-softmax, targets; the fp32 logits the schedule holds
-        act += tokens * ((8 if low else 10 if bf16 else 12) * m.dim + 4 + 8) + 2 * tokens * m.vocab * 4
+    if last:  # final norm, output input, fp32 log-softmax, targets; the fp32 logits a schedule holds
+        act += tokens * ((8 if low else 10 if bf16 else 12) * m.dim + 4 + 8)
+        act += (2 if pipelined else 1) * tokens * m.vocab * 4
     else:
         act += tokens * m.dim * 4 // tp  # the stage output (float32, this tp rank's share) until its gradient
     transient = tokens * m.vocab * 4 if last else 0

@@ -105,7 +105,8 @@ def stage_memory(cfg: TrainConfig, stage: int, device: tuple[str, int] = ("unkno
     ckpt = {"none": 0, "full": n, "selective": n // ac.every}[ac.mode]
     in_flight = p.microbatches if p.schedule == "gpipe" else min(p.microbatches, p.pp - stage)
     copies = 0 if fsdp else (n - ckpt) * m.block.weight_copies + m.head.weight_copies
-    act = (n - ckpt) * m.block.activations + ckpt * m.block_input + m.rope + m.head.activations + m.output
+    act = (n - ckpt) * m.block.activations + ckpt * m.block_input + m.rope + m.head.activations
+    act += m.output if p.pp > 1 else 0  # the output the schedule holds until its gradient (none without one)
     transient = m.logits_grad
     if ckpt:
         transient += m.block.activations + (0 if fsdp else m.block.weight_copies)

@@ -172,6 +172,7 @@ def stage_memory(m: ModelDims, layers: int, first: bool, last: bool, tp: int, mi
     if ckpt:
         transient += saved + (0 if fsdp else copy)
     gathered = unsharded_grads = 0
+    whole_emb = m.embed_params - emb if first else 0  # tp's embedding gradient comes back whole (all V rows)
     if fsdp:
         param_size = 2 if bf16 else 4
         unit = max(block, (emb if first else 0) + (head if last else 0))
@@ -179,11 +180,11 @@ def stage_memory(m: ModelDims, layers: int, first: bool, last: bool, tp: int, mi
             gathered = local * param_size
         else:
             transient += 2 * unit * param_size
-        unsharded_grads = 4 * local if backwards > 1 else 0
+        unsharded_grads = 4 * (local + whole_emb) if backwards > 1 else 0
         transient += unit * (param_size + 4)
     # torch's pipeline stage: a float32 receive buffer per microbatch, activations in and gradients back
     recv = microbatches * tokens * m.dim * 4 // tp * ((not first) + (not last)) if pipelined else 0
-    out = {"params": 4 * held, "grads": 4 * held, "optimizer": 8 * held + 4 * tensors,
+    out = {"params": 4 * held, "grads": 4 * held + (0 if fsdp else 4 * whole_emb), "optimizer": 8 * held + 4 * tensors,
            "weight_copies": in_flight * copies, "gathered": gathered, "unsharded_grads": unsharded_grads,
            "recv_buffers": recv, "activations": in_flight * act, "transient": transient}
     out["total"] = sum(out.values())

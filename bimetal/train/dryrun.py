@@ -111,6 +111,9 @@ def stage_memory(cfg: TrainConfig, stage: int, device: tuple[str, int] = ("unkno
     if ckpt:
         transient += m.block.activations + (0 if fsdp else m.block.weight_copies)
     gathered = unsharded_grads = 0
+    # tp's vocabulary-split embedding gets its gradient back whole (a replicated DTensor of all V rows): it is
+    # the .grad kept without FSDP, the unsharded gradient FSDP accumulates with it.
+    whole_emb = args.vocab_size * args.dim * (p.tp - 1) // p.tp if stage == 0 else 0
     if fsdp:
         size = 2 if bf16 else 4  # FSDP's param_dtype: bf16 under autocast, else float32
         if p.pp > 1:  # reshard_after_forward off, resharding off in every backward but the last
@@ -119,11 +122,12 @@ def stage_memory(cfg: TrainConfig, stage: int, device: tuple[str, int] = ("unkno
             transient += 2 * c.unit * size
         # Sync off in every backward but the last: unsharded gradients accumulate in float32.
         backwards = p.microbatches * (cfg.optim.grad_accum if p.pp == 1 else 1)
-        unsharded_grads = 4 * c.local if backwards > 1 else 0
+        unsharded_grads = 4 * (c.local + whole_emb) if backwards > 1 else 0
         transient += c.unit * (size + 4)  # one block's gradient and its float32 reduce-scatter input
     boundary = mb * seq * args.dim * 4 // p.tp  # one float32 activation (or gradient) share at a stage boundary
     recv = p.microbatches * boundary * ((stage > 0) + (stage < p.pp - 1)) if p.pp > 1 else 0
-    return StageMemory(stage, n, in_flight, device[0], device[1], 4 * c.held, 4 * c.held,
+    grads = 4 * c.held + (0 if fsdp else 4 * whole_emb)
+    return StageMemory(stage, n, in_flight, device[0], device[1], 4 * c.held, grads,
                        8 * c.held + 4 * c.tensors, in_flight * copies, gathered, unsharded_grads, recv,
                        in_flight * act, transient)
 

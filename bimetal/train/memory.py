@@ -11,7 +11,9 @@ tensor autograd keeps for the backward pass are summed. What the trainer does, a
   AdamW's float32 step counter per parameter tensor), whatever ``training.dtype`` says;
 * ``parallel.tp`` splits the attention and MLP matrices and also the embedding (rows over the vocabulary)
   and the output projection (columns over the vocabulary, logits all-gathered whole, ``b*s*V``); norms
-  stay whole. ``parallel.dp_shard`` then divides every tensor of the stage (FSDP2 shards dim 0);
+  stay whole. ``parallel.dp_shard`` then divides every tensor of the stage (FSDP2 shards dim 0). The
+  embedding's gradient comes back whole from tp (a replicated DTensor of all ``V`` rows, as measured): it
+  is the ``.grad`` kept without FSDP;
 * without FSDP, ``training.dtype`` bf16 (``auto`` counts as bf16: the dry-run sizes GPUs) autocasts: a bf16
   copy of every matrix a block or the output projection multiplies by is saved per microbatch in flight;
 * with FSDP (``parallel.dp_shard`` > 1, ``MixedPrecisionPolicy(param_dtype=bf16 or None,
@@ -23,7 +25,8 @@ tensor autograd keeps for the backward pass are summed. What the trainer does, a
   backward (two gathered blocks, current + prefetch, are transient). Gradient sync is off for every
   backward but the last microbatch's (and the last accumulation step's without a pipeline): earlier
   backwards leave each parameter's unsharded gradient, upcast to float32 (``unsharded_grads``, 4 bytes
-  per unsharded parameter), which the last backward reduce-scatters block by block (transient: one
+  per unsharded parameter; with tp the embedding's gradient comes back whole, all ``V`` rows, a
+  replicated DTensor, as measured), which the last backward reduce-scatters block by block (transient: one
   block's gradient in the compute dtype plus its float32 reduce-scatter input);
 * activation checkpointing keeps only the block input of a checkpointed block (``full``: every block;
   ``selective``: every ``every``-th block of the stage), and recomputes one block at a time in the backward;

@@ -22,6 +22,40 @@ pytestmark = pytest.mark.timeout(120)
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def assert_state_matches_dry_run(run: Path, config: Path, args: list[str], world: int) -> None:
+    """What a finished ``bimetal train`` run wrote in ``memory-rank<R>.json`` (parameter, gradient and AdamW
+    bytes read from each rank's tensors after its first step) against ``bimetal train --dry-run --json`` of
+    the same config and arguments in float32 (a simulated run trains in float32 on the CPU).
+
+    Under FSDP with a pipeline the JSON also holds what FSDP kept unsharded before the first step's last
+    backward (gathered parameters, accumulated gradients), compared with the dry-run's terms. The dry-run
+    sizes the largest rank of a stage: FSDP's shards of a dim that does not divide evenly (the
+    debug model's 129 vocabulary rows per tp rank over 2 shards: 65 and 64) differ by a row, and FSDP pads
+    the smaller one to the larger in memory; every rank is within 1 %, the largest equal.
+    """
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        bimetal_main(["train", "--config", str(config), *args, "--training.dtype=float32", "--dry-run", "--json"])
+    stages = json.loads(out.getvalue())["stages"]
+    per_stage = world // len(stages)
+    for s in stages:
+        ranks = [json.loads((run / f"memory-rank{r}.json").read_text())
+                 for r in range(s["stage"] * per_stage, (s["stage"] + 1) * per_stage)]
+        for ours, theirs in (("params", "params"), ("grads", "grads"), ("optimizer", "optim")):
+            got = [r[theirs] for r in ranks]
+            assert max(got) == s[ours] and min(got) >= 0.99 * s[ours], (s["stage"], ours, got, s[ours])
+        # Under FSDP with a pipeline the trainer also measured FSDP's unsharded buffers at the first step's last
+        # backward (all-gather outputs are padded to whole shards: within 1 %).
+        measured = [r for r in ranks if "gathered" in r]
+        assert len(measured) in (0, len(ranks)) and (measured or not s["gathered"])
+        for r in measured:
+            for key in ("gathered", "unsharded_grads"):
+                assert s[key] > 0 and abs(r[key] - s[key]) <= 0.01 * s[key], (s["stage"], key, r[key], s[key])
+
+
 def _planner_memory(cfg: TrainConfig) -> list[int]:
     """The planner's per-stage estimate for exactly the layout of ``cfg``."""
     p = cfg.parallel
@@ -46,9 +80,32 @@ def test_llama3_8b_h100_mi300x_fits_and_matches_planner(tmp_path: Path) -> None:
     assert [s["device"] for s in stages] == ["H100", "MI300X"]
     for s, planned in zip(stages, _planner_memory(cfg)):
         assert s["fits"] is True and s["total"] < 80e9 * 0.9, s
-        parts = ("params", "grads", "optimizer", "weight_copies", "activations", "transient")
-        assert s["total"] == sum(s[k] for k in parts) and s["activations"] > 0
+        assert s["total"] == sum(s[k] for k in PARTS) and s["activations"] > 0
         assert abs(s["total"] - planned) <= 0.10 * s["total"], (s["total"], planned)
+    _assert_terms_match_planner(cfg, stages)
+
+
+PARTS = ("params", "grads", "optimizer", "weight_copies", "gathered", "unsharded_grads", "recv_buffers", "activations",
+         "transient")
+
+
+def _assert_terms_match_planner(cfg: TrainConfig, stages: list[dict]) -> None:
+    """Term for term: the planner's parts of each stage against the dry-run's (activations within 10 %, the
+    parameter-state terms within 1 %: both count the same tensors, the planner without qkv biases)."""
+    from bimetal.plan import cost
+
+    p = cfg.parallel
+    m = cost.model_dims(cfg.model.flavour)
+    split = cfg.stage_split(m.layers)
+    for s in stages:
+        j = s["stage"]
+        est = cost.stage_memory(m, split[j], j == 0, j == p.pp - 1, p.tp, cfg.data.batch_size // p.microbatches,
+                                cfg.data.seq_len, s["in_flight"], p.dp_shard, cfg.activation_checkpoint.mode,
+                                cfg.activation_checkpoint.every, cfg.training.dtype != "float32",
+                                pipelined=p.pp > 1, backwards=p.microbatches)
+        for k in PARTS:
+            tol = 0.10 if k in ("activations", "transient") else 0.01
+            assert abs(s[k] - est[k]) <= tol * max(s[k], 1), (j, k, s[k], est[k])
 
 
 @pytest.mark.parametrize("overrides", [
@@ -67,6 +124,7 @@ def test_qwen2_7b_report_matches_planner(overrides: list[str], capsys: pytest.Ca
     assert rc == (0 if all(s["fits"] for s in stages) else 1)
     for s, est in zip(stages, planned):
         assert abs(s["total"] - est) <= 0.10 * s["total"], (s, est)
+    _assert_terms_match_planner(cfg, stages)
     if overrides[1:2] == ["--activation_checkpoint.mode=full"]:
         assert all(s["weight_copies"] == 0 or s["stage"] == 1 for s in stages)  # checkpointed blocks hold none
 
@@ -97,22 +155,27 @@ def test_cluster_must_match_layout(capsys: pytest.CaptureFixture[str]) -> None:
     assert rc == 2 and "has 16" in err and err.count("\n") == 1
 
 
-@pytest.mark.parametrize("bf16", [True, False], ids=["bf16-autocast", "float32"])
-def test_fake_measurement_equals_real_tensors(bf16: bool) -> None:
-    """The bytes measured on fake tensors are those a real forward of the same stage saves."""
+@pytest.mark.parametrize(("bf16", "fsdp"), [(True, False), (False, False), (True, True)],
+                         ids=["bf16-autocast", "float32", "fsdp-bf16"])
+def test_fake_measurement_equals_real_tensors(bf16: bool, fsdp: bool) -> None:
+    """The bytes measured on fake tensors are those a real forward of the same stage saves (under FSDP in
+    bf16: the block's weights and its input in bf16, as FSDP gathers and casts them)."""
     from bimetal.models import build_model, build_stage, prune_to_stage
     from bimetal.train.memory import measure_saved, measure_stage
 
     meta = prune_to_stage(build_model("llama3", "debug", device="meta"), [2, 3], False, True)
-    fake = measure_stage(meta, 1, 2, 64, bf16)
+    fake = measure_stage(meta, 1, 2, 64, bf16, fsdp=fsdp)
     real = build_stage("llama3", "debug", [2, 3], False, True)
-    block = real.layers["2"]
-    x = torch.randn(2, 64, real.args.dim, requires_grad=True)
+    low = torch.bfloat16 if fsdp else torch.float32
+    block = real.layers["2"].to(low)
+    x = torch.randn(2, 64, real.args.dim, requires_grad=True, dtype=low)
     cos, sin = real._rope(64, x.device, x.dtype)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
         got = measure_saved(block, lambda: block(x, cos, sin).sum(), skip=(cos, sin))
     assert (got.activations, got.weight_copies) == (fake.block.activations, fake.block.weight_copies)
-    assert got.activations > 0 and (got.weight_copies > 0) == bf16
+    assert got.activations > 0 and (got.weight_copies > 0) == (bf16 and not fsdp)
+    if fsdp:
+        return
     # The dry-run's copy of the loss is the trainer's: the same head bytes with the trainer's own function.
     from bimetal.train.trainer import _loss_fn
     assert measure_stage(meta, 1, 2, 64, bf16, loss=_loss_fn).head == fake.head

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_dryrun import assert_state_matches_dry_run
 from test_train_parity import COMMON, DEMO, EXE, RTOL, SINGLE, _transport_missing
 
 from bimetal.errors import UserError
@@ -40,6 +41,8 @@ from bimetal.train.shards import assemble
 
 pytestmark = pytest.mark.timeout(300)
 FSDP = ["--parallel.dp_shard=2", "--parallel.schedule=1f1b"]
+AC_FULL = ["--activation_checkpoint.mode=full", "--optim.grad_accum=2", "--data.batch_size=4",
+           "--parallel.microbatches=2"]
 HSDP = ["--parallel.pp=1", "--parallel.dp=4", "--parallel.dp_shard=2", "--parallel.layers_per_stage=[]",
         "--parallel.microbatches=2", "--data.batch_size=4", "--parallel.allow_cross_vendor_dp=true",
         "--parallel.dp_transport=cpu-forward", "--training.steps=10"]
@@ -135,8 +138,7 @@ def fsdp_dd(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def ac_full(tmp_path_factory: pytest.TempPathFactory) -> Path:
     run = tmp_path_factory.mktemp("ac-full") / "run"
     # Two accumulation steps of 4 rows per replica read the same windows as the single run's batch of 16.
-    _train(run, "--activation_checkpoint.mode=full", "--parallel.pp_transport=cpu-forward", "--optim.grad_accum=2",
-           "--data.batch_size=4", "--parallel.microbatches=2")
+    _train(run, *AC_FULL, "--parallel.pp_transport=cpu-forward")
     return run
 
 
@@ -182,6 +184,9 @@ def test_sharding_halves_optimizer_state_per_rank(fsdp_killed: tuple[Path, str],
         steps_bytes = 4 * _param_tensors(rank // 2)
         assert sharded["optim"] - steps_bytes == (replicated["optim"] - steps_bytes) // 2, (sharded, replicated)
         assert sharded["params"] == replicated["params"] // 2 and sharded["grads"] == replicated["grads"] // 2
+    # The dry-run of the same config says what each rank holds, sharded and replicated.
+    assert_state_matches_dry_run(run, DEMO, [*COMMON, *FSDP], 4)
+    assert_state_matches_dry_run(ac_full, DEMO, [*COMMON, *AC_FULL], 4)
 
 
 def test_full_activation_checkpointing_matches_single_process(single: Path, ac_full: Path) -> None:
@@ -229,8 +234,8 @@ def test_hsdp_pp2_replicate2_shard2_on_8_ranks(single: Path, fsdp_killed: tuple[
 
 def test_fsdp_composes_with_tensor_parallel_on_8_ranks(single: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
-    out = _train(run, "--parallel.tp=2", "--parallel.dp_shard=2", "--training.steps=10",
-                 f"--checkpoint.export_hf={run / 'hf'}", simulate="nvidia:4,amd:4").stdout
+    layout = ["--parallel.tp=2", "--parallel.dp_shard=2", "--training.steps=10"]
+    out = _train(run, *layout, f"--checkpoint.export_hf={run / 'hf'}", simulate="nvidia:4,amd:4").stdout
     table = out.split("bimetal FSDP mesh groups")[1]
     assert any(line.split()[:2] == ["dp.stage1.tp1", "5,7"] for line in table.splitlines()), table
     _assert_parity(single, run, steps=10)
@@ -243,3 +248,5 @@ def test_fsdp_composes_with_tensor_parallel_on_8_ranks(single: Path, tmp_path: P
     assert sorted(exported) == sorted(w_ref)
     for name, t in w_ref.items():
         assert float((exported[name] - t).norm() / t.norm()) <= RTOL, name
+    # tp splits every matrix (the vocabulary ones too), FSDP shards the tp slices: as the dry-run counts them.
+    assert_state_matches_dry_run(run, DEMO, [*COMMON, *layout], 8)

@@ -148,6 +148,14 @@ def test_pipeline_matches_single_process(single: Path, pipelined: tuple[str, Pat
     assert summary["xvendor_source"] == "pp: transport counters"
 
 
+def test_state_bytes_per_rank_match_dry_run(pipelined: tuple[str, Path, str, tuple[str, ...]]) -> None:
+    # pp=2 x dp=2 replicated, and pp=2 x tp=2 (vocabulary matrices split too): as the dry-run counts them.
+    from test_dryrun import assert_state_matches_dry_run
+
+    _, run, _, layout = pipelined
+    assert_state_matches_dry_run(run, DEMO, [*COMMON, *layout], 4)
+
+
 def test_resume_after_step_10_is_identical(pipelined: tuple[str, Path, str, tuple[str, ...]], tmp_path: Path
                                            ) -> None:
     transport, run, _, layout = pipelined

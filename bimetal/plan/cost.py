@@ -4,10 +4,12 @@ FLOPs follow torchtitan: 6*N' + 12*L*d*s per token (N' excludes the input embedd
 term is not halved for the causal mask). Memory (``stage_memory``) is the trainer's, term for term: the
 same assumptions as ``bimetal train --dry-run`` (listed in ``bimetal/train/memory.py``), with the bytes a
 block saves for its backward pass written out from what the dry-run measures on the trainer's own block:
-16 bytes per parameter held (fp32 weights, gradients and two AdamW moments) divided over tp (attention
-and MLP matrices) and FSDP's ``dp_shard``; bf16 copies of the weights per microbatch in flight unless
-FSDP gathers bf16 blocks; activations per block per microbatch (flash attention, float32 residual stream
-and norms, bf16 matmul inputs); checkpointed blocks keep only their input.
+16 bytes per parameter held (fp32 weights, gradients and two AdamW moments) after tp (attention, MLP,
+embedding and output projection) and FSDP's ``dp_shard``; bf16 copies of the weights per microbatch in
+flight without FSDP; with FSDP the stage's gathered parameters (kept through the step under a pipeline)
+and float32 unsharded gradients accumulated between microbatches; activations per block per microbatch
+(flash attention, bf16 matmul inputs; float32 residual stream and norms under autocast, bf16 under FSDP);
+checkpointed blocks keep only their input.
 """
 
 from __future__ import annotations
@@ -103,17 +105,18 @@ def ring_allreduce_seconds(nbytes: float, n: int, busbw_gbps: float) -> float:
     return nbytes * 2 * (n - 1) / n / (busbw_gbps * 1e9)
 
 
-def block_saved_bytes(m: ModelDims, tokens: int, tp: int, bf16: bool = True) -> int:
+def block_saved_bytes(m: ModelDims, tokens: int, tp: int, bf16: bool = True, fsdp: bool = False) -> int:
     """Bytes one block keeps for its backward per microbatch of ``tokens`` on one tp rank (no weights).
 
     bf16 autocast: the residual x, its rsqrt and normalised copy in fp32 for both norms (8*d + 4 each),
     the bf16 inputs of q/k/v and w1/w3 (6*d + 4*d, replicated over tp), attention q, k, v and output in bf16
-    (8*d/tp) plus the fp32 log-sum-exp (4*heads/tp), four bf16 MLP hidden tensors (8*ffn/tp). float32:
+    (8*d/tp) plus the fp32 log-sum-exp (4*heads/tp), four bf16 MLP hidden tensors (8*ffn/tp). Under FSDP
+    in bf16 the block's input and weights are bf16 (FSDP casts them), which saves 10*d less. float32:
     norms 12*d + 4 each, attention 16*d/tp, MLP 16*ffn/tp.
     """
     d, f, h = m.dim, m.ffn, m.heads
     if bf16:
-        per_token = 26 * d + 8 * d / tp + 8 * f / tp + 8 + 4 * h / tp
+        per_token = (16 if fsdp else 26) * d + 8 * d / tp + 8 * f / tp + 8 + 4 * h / tp
     else:
         per_token = 24 * d + 16 * d / tp + 16 * f / tp + 8 + 4 * h / tp
     return int(tokens * per_token)
@@ -132,39 +135,65 @@ def checkpointed_blocks(layers: int, ac: str, every: int) -> int:
 
 def stage_memory(m: ModelDims, layers: int, first: bool, last: bool, tp: int, micro_batch: int, seq: int,
                  in_flight: int, dp_shard: int = 1, ac: str = "none", ac_every: int = 2,
-                 bf16: bool = True) -> dict[str, int]:
-    """Per-GPU bytes of one stage by part (keys as the dry-run's report); ``total`` sums them."""
+                 bf16: bool = True, pipelined: bool = True, backwards: int = 2,
+                 microbatches: int = 0) -> dict[str, int]:
+    """Per-GPU bytes of one stage by part (keys as the dry-run's report); ``total`` sums them.
+
+    ``pipelined``: pp > 1 (FSDP then keeps the stage gathered through the step); ``backwards``: backward passes
+    per gradient reduction (the microbatches; times ``grad_accum`` without a pipeline): more than one makes
+    FSDP accumulate unsharded gradients. ``microbatches`` (default: ``backwards``): the schedule's, one
+    receive buffer each.
+    """
+    microbatches = microbatches or backwards
     tokens = micro_batch * seq
     mat = block_matrix_params(m) // tp
     block = mat + m.layer_params - block_matrix_params(m)  # norms are replicated over tp
-    held = layers * block + (m.embed_params if first else 0) + (m.head_params if last else 0)
-    held = -(-held // dp_shard)
+    emb, head = m.embed_params // tp, m.dim * m.vocab // tp + m.dim  # vocabulary split; the final norm whole
+    local = layers * block + (emb if first else 0) + (head if last else 0)  # tp slices, before FSDP
+    held = -(-local // dp_shard)
+    tensors = 9 * layers + (1 if first else 0) + (2 if last else 0)  # AdamW's step counter per tensor
     ckpt = checkpointed_blocks(layers, ac, ac_every)
     fsdp = dp_shard > 1
-    saved = block_saved_bytes(m, tokens, tp, bf16)
+    low = fsdp and bf16  # the stage computes in bf16 weights and a bf16 residual stream
+    size = 2 if low else 4
+    saved = block_saved_bytes(m, tokens, tp, bf16, fsdp)
     copy = 2 * mat if bf16 else 0
-    copies = 0 if fsdp else (layers - ckpt) * copy + (2 * m.embed_params if last and bf16 else 0)
+    out_copy = 2 * m.dim * m.vocab // tp if last and bf16 else 0
+    copies = 0 if fsdp else (layers - ckpt) * copy + out_copy
     hd = m.dim // m.heads
-    act = (layers - ckpt) * saved + ckpt * tokens * m.dim * 4 + 8 * seq * hd
+    act = (layers - ckpt) * saved + ckpt * tokens * m.dim * size + 2 * seq * hd * size
     act += 8 * tokens if first else 0  # token ids saved by the embedding
-    if last:  # final norm, bf16 output input, fp32 log-softmax, targets; the fp32 logits the schedule holds
-        act += tokens * ((10 if bf16 else 12) * m.dim + 4 + 8) + 2 * tokens * m.vocab * 4
+    if last:  # final norm, output input, fp32 log-softmax, targets; the fp32 logits a schedule holds
+        act += tokens * ((8 if low else 10 if bf16 else 12) * m.dim + 4 + 8)
+        act += (2 if pipelined else 1) * tokens * m.vocab * 4
     else:
-        act += tokens * m.dim * 4  # the stage output, held until its gradient returns
+        act += tokens * m.dim * 4 // tp  # the stage output (float32, this tp rank's share) until its gradient
     transient = tokens * m.vocab * 4 if last else 0
     if ckpt:
         transient += saved + (0 if fsdp else copy)
+    gathered = unsharded_grads = 0
+    whole_emb = m.embed_params - emb if first else 0  # tp's embedding gradient comes back whole (all V rows)
     if fsdp:
-        unit = max(block, m.embed_params if first or last else 0)
-        transient += unit * (2 * (2 if bf16 else 4) + 4)
-    out = {"params": 4 * held, "grads": 4 * held, "optimizer": 8 * held, "weight_copies": in_flight * copies,
-           "activations": in_flight * act, "transient": transient}
+        param_size = 2 if bf16 else 4
+        unit = max(block, (emb if first else 0) + (head if last else 0))
+        if pipelined:
+            gathered = local * param_size
+        else:
+            transient += 2 * unit * param_size
+        unsharded_grads = 4 * (local + whole_emb) if backwards > 1 else 0
+        transient += unit * (param_size + 4)
+    # torch's pipeline stage: a float32 receive buffer per microbatch, activations in and gradients back
+    recv = microbatches * tokens * m.dim * 4 // tp * ((not first) + (not last)) if pipelined else 0
+    out = {"params": 4 * held, "grads": 4 * held + (0 if fsdp else 4 * whole_emb), "optimizer": 8 * held + 4 * tensors,
+           "weight_copies": in_flight * copies, "gathered": gathered, "unsharded_grads": unsharded_grads,
+           "recv_buffers": recv, "activations": in_flight * act, "transient": transient}
     out["total"] = sum(out.values())
     return out
 
 
 def stage_memory_bytes(m: ModelDims, layers: int, first: bool, last: bool, tp: int, micro_batch: int,
                        seq: int, in_flight: int, dp_shard: int = 1, ac: str = "none", ac_every: int = 2,
-                       bf16: bool = True) -> int:
-    """Per-GPU memory of one stage: parameter state, weight copies, activations, transients."""
-    return stage_memory(m, layers, first, last, tp, micro_batch, seq, in_flight, dp_shard, ac, ac_every, bf16)["total"]
+                       bf16: bool = True, pipelined: bool = True, backwards: int = 2, microbatches: int = 0) -> int:
+    """Per-GPU memory of one stage: parameter state, weight copies, FSDP buffers, activations, transients."""
+    return stage_memory(m, layers, first, last, tp, micro_batch, seq, in_flight, dp_shard, ac, ac_every, bf16,
+                        pipelined, backwards, microbatches)["total"]

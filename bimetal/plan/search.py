@@ -126,7 +126,7 @@ def evaluate(spec: ClusterSpec, model: str, seq: int, global_batch: int, pp: int
     m = cost.model_dims(model)
     if pp > m.layers or global_batch % (dp * micro_batch) or dp % dp_shard:
         return None
-    if m.heads % tp or m.kv_heads % tp or m.ffn % tp:  # tp splits heads, key/value heads and the MLP width
+    if m.heads % tp or m.kv_heads % tp or m.ffn % tp or m.vocab % tp:  # tp splits heads, MLP width, vocabulary
         return None
     width = dp * tp
     stage_groups: list[NodeGroup] = []
@@ -177,7 +177,7 @@ def evaluate(spec: ClusterSpec, model: str, seq: int, global_batch: int, pp: int
         plan.stage_comm.append(comm)
         in_flight = min(mbs, pp - j)
         mem = cost.stage_memory_bytes(m, layers[j], j == 0, j == pp - 1, tp, micro_batch, seq, in_flight,
-                                      dp_shard, ac, plan.ac_every, bf16)
+                                      dp_shard, ac, plan.ac_every, bf16, pipelined=pp > 1, backwards=mbs)
         plan.memory.append(mem)
         if mem > g.memory_bytes * MEMORY_RESERVE and not plan.rejected:
             plan.rejected = (f"stage {j} needs {mem / 1e9:.1f} GB per GPU, over {MEMORY_RESERVE:.0%} of the "

@@ -34,13 +34,21 @@ class StageMemory:
     optimizer: int
     weight_copies: int
     """bf16 copies of weights autocast keeps per microbatch in flight (0 under FSDP or float32)."""
+    gathered: int
+    """FSDP with a pipeline: the stage's unsharded parameters, gathered in the compute dtype for the whole step."""
+    unsharded_grads: int
+    """FSDP: float32 unsharded gradients accumulated between microbatches until the last backward reduces them."""
+    recv_buffers: int
+    """torch's pipeline stage: one float32 receive buffer per microbatch for activations (stage > 0) and for
+    gradients (stages before the last), each this tp rank's share, allocated once and kept."""
     activations: int
     transient: int
-    """The largest short-lived buffers: logits gradient, one recomputed block, FSDP's gathered blocks."""
+    """The largest short-lived buffers: logits gradient, one recomputed block, FSDP's gather/reduce buffers."""
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.weight_copies + self.activations + self.transient
+        return (self.params + self.grads + self.optimizer + self.weight_copies + self.gathered
+                + self.unsharded_grads + self.recv_buffers + self.activations + self.transient)
 
     @property
     def fits(self) -> bool | None:
@@ -89,22 +97,39 @@ def stage_memory(cfg: TrainConfig, stage: int, device: tuple[str, int] = ("unkno
     model = models.prune_to_stage(models.build_model(cfg.model.family, args, device="meta"),
                                   list(range(start, start + split[stage])), first, last)
     bf16 = cfg.training.dtype != "float32"
+    fsdp = p.dp_shard > 1
     mb, seq = cfg.data.batch_size // p.microbatches, cfg.data.seq_len
-    m = measure_stage(model, p.tp, mb, seq, bf16)
-    held, unit = param_bytes(model, p.tp, p.dp_shard)
+    m = measure_stage(model, p.tp, mb, seq, bf16, fsdp=fsdp)
+    c = param_bytes(model, p.tp, p.dp_shard)
     n = split[stage]
     ckpt = {"none": 0, "full": n, "selective": n // ac.every}[ac.mode]
     in_flight = p.microbatches if p.schedule == "gpipe" else min(p.microbatches, p.pp - stage)
-    fsdp = p.dp_shard > 1
     copies = 0 if fsdp else (n - ckpt) * m.block.weight_copies + m.head.weight_copies
-    act = (n - ckpt) * m.block.activations + ckpt * m.block_input + m.rope + m.head.activations + m.output
+    act = (n - ckpt) * m.block.activations + ckpt * m.block_input + m.rope + m.head.activations
+    act += m.output if p.pp > 1 else 0  # the output the schedule holds until its gradient (none without one)
     transient = m.logits_grad
     if ckpt:
         transient += m.block.activations + (0 if fsdp else m.block.weight_copies)
-    if fsdp:  # two gathered units (current + prefetch) in the compute dtype, one unsharded fp32 gradient
-        transient += unit * (2 * (2 if bf16 else 4) + 4)
-    return StageMemory(stage, n, in_flight, device[0], device[1], 4 * held, 4 * held, 8 * held,
-                       in_flight * copies, in_flight * act, transient)
+    gathered = unsharded_grads = 0
+    # tp's vocabulary-split embedding gets its gradient back whole (a replicated DTensor of all V rows): it is
+    # the .grad kept without FSDP, the unsharded gradient FSDP accumulates with it.
+    whole_emb = args.vocab_size * args.dim * (p.tp - 1) // p.tp if stage == 0 else 0
+    if fsdp:
+        size = 2 if bf16 else 4  # FSDP's param_dtype: bf16 under autocast, else float32
+        if p.pp > 1:  # reshard_after_forward off, resharding off in every backward but the last
+            gathered = c.local * size
+        else:  # each block gathered for its forward and its backward: current + prefetched block
+            transient += 2 * c.unit * size
+        # Sync off in every backward but the last: unsharded gradients accumulate in float32.
+        backwards = p.microbatches * (cfg.optim.grad_accum if p.pp == 1 else 1)
+        unsharded_grads = 4 * (c.local + whole_emb) if backwards > 1 else 0
+        transient += c.unit * (size + 4)  # one block's gradient and its float32 reduce-scatter input
+    boundary = mb * seq * args.dim * 4 // p.tp  # one float32 activation (or gradient) share at a stage boundary
+    recv = p.microbatches * boundary * ((stage > 0) + (stage < p.pp - 1)) if p.pp > 1 else 0
+    grads = 4 * c.held + (0 if fsdp else 4 * whole_emb)
+    return StageMemory(stage, n, in_flight, device[0], device[1], 4 * c.held, grads,
+                       8 * c.held + 4 * c.tensors, in_flight * copies, gathered, unsharded_grads, recv,
+                       in_flight * act, transient)
 
 
 def report(cfg: TrainConfig) -> list[StageMemory]:
@@ -121,21 +146,28 @@ def format_report(cfg: TrainConfig, stages: list[StageMemory]) -> str:
     def _gb(x: int) -> str:
         return f"{x / scale:.1f}"
 
-    dtype = "float32" if cfg.training.dtype == "float32" else "bf16 autocast, float32 master weights and AdamW"
+    dtype = "float32" if cfg.training.dtype == "float32" else (
+        "bf16 (FSDP gathers bf16 weights)" if p.dp_shard > 1 else "bf16 autocast") + \
+        ", float32 master weights and AdamW"
     lines = [f"dry run: {cfg.model.family}/{cfg.model.flavour} pp={p.pp} dp={p.dp} (shard {p.dp_shard}) tp={p.tp} "
              f"microbatch {cfg.data.batch_size // p.microbatches} x {cfg.data.seq_len} tokens, {p.schedule}, "
              f"{dtype}, activation checkpoint {ac.mode}" + (f" every {ac.every}" if ac.mode == "selective" else ""),
              f"{unit} per GPU (1 {unit} = {scale:.0e} bytes):",
              f"{'stage':>5} {'layers':>6} {'mb':>3} {'device':<14} {'params':>7} {'grads':>7} {'optim':>7} "
-             f"{'copies':>7} {'activ':>7} {'trans':>7} {'total':>7} {'limit':>7}  fits"]
+             f"{'copies':>7} {'gather':>7} {'ugrads':>7} {'recv':>7} {'activ':>7} {'trans':>7} {'total':>7} "
+             f"{'limit':>7}  fits"]
     for s in stages:
         limit = _gb(int(s.capacity * MEMORY_RESERVE)) if s.capacity else "-"
         fits = {True: "yes", False: "NO", None: "unknown (set parallel.cluster)"}[s.fits]
         lines.append(f"{s.stage:>5} {s.layers:>6} {s.in_flight:>3} {s.device:<14} {_gb(s.params):>7} "
-                     f"{_gb(s.grads):>7} {_gb(s.optimizer):>7} {_gb(s.weight_copies):>7} {_gb(s.activations):>7} "
+                     f"{_gb(s.grads):>7} {_gb(s.optimizer):>7} {_gb(s.weight_copies):>7} {_gb(s.gathered):>7} "
+                     f"{_gb(s.unsharded_grads):>7} {_gb(s.recv_buffers):>7} {_gb(s.activations):>7} "
                      f"{_gb(s.transient):>7} {_gb(s.total):>7} {limit:>7}  {fits}")
     lines.append(f"limit = {MEMORY_RESERVE:.0%} of the device's memory; mb = microbatches in flight; "
-                 "copies = bf16 weight copies autocast keeps per microbatch; trans = short-lived peak buffers")
+                 "copies = bf16 weight copies autocast keeps per microbatch; gather = FSDP's unsharded parameters "
+                 "kept through the step (pp > 1); ugrads = FSDP's unsharded float32 gradients accumulated between "
+                 "microbatches; recv = the pipeline's receive buffers, one per microbatch; "
+                 "trans = short-lived peak buffers")
     return "\n".join(lines)
 
 

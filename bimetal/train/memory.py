@@ -4,24 +4,37 @@ The stage is the trainer's own: ``build_model`` on the meta device pruned by ``p
 ``build_stage`` does before it allocates). Parameter counts come from that module. Activations are measured:
 one transformer block (and the stage's head or embedding) runs forward on fake tensors under
 ``torch.autograd.graph.saved_tensors_hooks`` with the trainer's autocast, and the bytes of every distinct
-tensor autograd keeps for the backward pass are summed. Assumptions, shared with the planner
-(``bimetal.plan.cost.stage_memory``):
+tensor autograd keeps for the backward pass are summed. What the trainer does, and so what is counted
+(shared with the planner, ``bimetal.plan.cost.stage_memory``, term for term):
 
-* master weights, gradients and both AdamW moments are float32 (16 bytes per parameter the GPU holds),
-  whatever ``training.dtype`` says: the trainer keeps float32 weights and autocasts, and FSDP2's
-  ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` also keeps float32 shards;
-* ``training.dtype`` bf16 (``auto`` counts as bf16: the dry-run sizes GPUs): autocast keeps a bf16 copy of
-  every matrix a block multiplies by, per microbatch in flight (the copies are saved for the backward
-  pass). With FSDP (``parallel.dp_shard`` > 1) parameters are gathered in bf16 per block and resharded
-  after the forward, so no copies are held; the working set is two gathered blocks (current + prefetch)
-  plus one block's unsharded float32 gradient;
-* ``parallel.tp`` shards the attention and MLP matrices (column/row parallel, no sequence parallel);
-  norms, embedding and output projection are replicated over tp;
-* ``parallel.dp_shard`` divides every parameter, gradient and optimizer tensor of the stage;
+* master weights, gradients and both AdamW moments are float32 (16 bytes per parameter the GPU holds, plus
+  AdamW's float32 step counter per parameter tensor), whatever ``training.dtype`` says;
+* ``parallel.tp`` splits the attention and MLP matrices and also the embedding (rows over the vocabulary)
+  and the output projection (columns over the vocabulary, logits all-gathered whole, ``b*s*V``); norms
+  stay whole. ``parallel.dp_shard`` then divides every tensor of the stage (FSDP2 shards dim 0). The
+  embedding's gradient comes back whole from tp (a replicated DTensor of all ``V`` rows, as measured): it
+  is the ``.grad`` kept without FSDP;
+* without FSDP, ``training.dtype`` bf16 (``auto`` counts as bf16: the dry-run sizes GPUs) autocasts: a bf16
+  copy of every matrix a block or the output projection multiplies by is saved per microbatch in flight;
+* with FSDP (``parallel.dp_shard`` > 1, ``MixedPrecisionPolicy(param_dtype=bf16 or None,
+  reduce_dtype=float32)``) parameters are all-gathered in the compute dtype (bf16, float32 in float32 runs)
+  and block inputs are cast to it, so blocks compute in bf16 with no autocast copies. With a pipeline
+  (``pp`` > 1) ``reshard_after_forward`` is off and torch's stage keeps resharding off in every backward
+  but the last, so the stage's whole unsharded parameters stay gathered from the first forward to the last
+  microbatch's backward (``gathered``); without one each block is resharded after its forward and
+  backward (two gathered blocks, current + prefetch, are transient). Gradient sync is off for every
+  backward but the last microbatch's (and the last accumulation step's without a pipeline): earlier
+  backwards leave each parameter's unsharded gradient, upcast to float32 (``unsharded_grads``, 4 bytes
+  per unsharded parameter; with tp the embedding's gradient comes back whole, all ``V`` rows, a
+  replicated DTensor, as measured), which the last backward reduce-scatters block by block (transient: one
+  block's gradient in the compute dtype plus its float32 reduce-scatter input);
 * activation checkpointing keeps only the block input of a checkpointed block (``full``: every block;
   ``selective``: every ``every``-th block of the stage), and recomputes one block at a time in the backward;
-* microbatches in flight: 1F1B holds up to ``pp - stage`` forward passes, GPipe all of them;
-* transient: the float32 gradient of the logits on the last stage, one recomputed block, FSDP's working set.
+* microbatches in flight: 1F1B holds up to ``pp - stage`` forward passes, GPipe all of them; a stage's
+  output is held until its gradient returns (with tp: this rank's ``1/tp`` share, ``TPBoundary``);
+* torch's ``PipelineStage`` allocates, once, a float32 receive buffer per microbatch for the activation
+  (stages after the first) and for the gradient (stages before the last), each of a ``1/tp`` share;
+* transient: the float32 gradient of the logits on the last stage, one recomputed block, FSDP's buffers.
 """
 
 from __future__ import annotations
@@ -40,8 +53,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from bimetal.errors import UserError
 
 TP_SHARDED = ("attention.wq.", "attention.wk.", "attention.wv.", "attention.wo.",
-              "feed_forward.w1.", "feed_forward.w2.", "feed_forward.w3.")
-"""Parameter name parts that tensor parallelism shards (the rest is replicated over tp)."""
+              "feed_forward.w1.", "feed_forward.w2.", "feed_forward.w3.", "tok_embeddings.", "output.")
+"""Parameter name parts that tensor parallelism splits (``bimetal.train.tp.apply_tp``); norms stay whole."""
 
 
 @dataclass
@@ -110,7 +123,7 @@ def tp_local_block(block: Any, tp: int) -> Any:
     a, f = block.attention, block.feed_forward
 
     def lin(src: nn.Linear, rows: int, cols: int) -> nn.Linear:
-        return nn.Linear(cols, rows, bias=src.bias is not None, device="cpu")
+        return nn.Linear(cols, rows, bias=src.bias is not None, device="cpu", dtype=src.weight.dtype)
 
     for name in ("wq", "wk", "wv"):
         src = getattr(a, name)
@@ -125,10 +138,10 @@ def tp_local_block(block: Any, tp: int) -> Any:
 
 def check_tp(args: Any, tp: int) -> None:
     """Refuse a tp that does not divide the heads, key/value heads and MLP width, in one sentence."""
-    for name in ("n_heads", "n_kv_heads", "ffn_dim"):
+    for name in ("n_heads", "n_kv_heads", "ffn_dim", "vocab_size"):
         if getattr(args, name) % tp:
             raise UserError(f"parallel.tp={tp} does not divide the model's {name}={getattr(args, name)}; "
-                            "choose a tp that divides the heads, key/value heads and MLP width.")
+                            "choose a tp that divides the heads, key/value heads, MLP width and vocabulary.")
 
 
 @dataclass
@@ -156,25 +169,36 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def measure_stage(model: Any, tp: int, micro_batch: int, seq: int, bf16: bool,
-                  loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = loss_fn) -> StageMeasure:
-    """Measure ``model`` (a meta-device stage of the trainer's Transformer) for one microbatch of ``micro_batch``."""
+                  loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = loss_fn,
+                  fsdp: bool = False) -> StageMeasure:
+    """Measure ``model`` (a meta-device stage of the trainer's Transformer) for one microbatch of ``micro_batch``.
+
+    ``fsdp``: the stage runs under FSDP2, whose parameters (gathered) and block inputs are in the compute
+    dtype: with ``bf16`` the modules and the residual stream inside the stage are bf16, and autocast finds
+    nothing to copy.
+    """
     args = model.args
     layer = next(iter(model.layers.values()))
     first, last = model.tok_embeddings is not None, model.output is not None
     amp = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
+    low = torch.bfloat16 if fsdp and bf16 else torch.float32  # dtype of gathered weights and the stage inside
+    size = 2 if low == torch.bfloat16 else 4
     import copy
 
     # Copies of the meta modules (cheap: no storage), made real as fake tensors inside the mode.
-    layer, emb, norm, output = (copy.deepcopy(x) for x in (layer, model.tok_embeddings, model.norm, model.output))
+    # Cast while still meta: fake parameters cannot be swapped for cast ones.
+    layer, emb, norm, output = (copy.deepcopy(x).to(low) if x is not None else None
+                                for x in (layer, model.tok_embeddings, model.norm, model.output))
     with FakeTensorMode(allow_non_fake_inputs=True):
         block = tp_local_block(_fake(layer), tp)
-        x = torch.empty(micro_batch, seq, args.dim, requires_grad=True)
-        cos = torch.empty(seq, args.head_dim)
-        sin = torch.empty(seq, args.head_dim)
+        x = torch.empty(micro_batch, seq, args.dim, dtype=low, requires_grad=True)
+        cos = torch.empty(seq, args.head_dim, dtype=low)
+        sin = torch.empty(seq, args.head_dim, dtype=low)
         with amp:
             blk = measure_saved(block, lambda: block(x, cos, sin), skip=(cos, sin))
         head = Saved()
-        out_bytes = x.numel() * 4  # activations cross stages (and the residual stream runs) in float32
+        # StageModule hands activations on in float32; with tp the schedule holds this rank's 1/tp share.
+        out_bytes = micro_batch * seq * args.dim * 4 // tp
         grad = 0
         if first:
             emb = _fake(emb)
@@ -182,15 +206,22 @@ def measure_stage(model: Any, tp: int, micro_batch: int, seq: int, bf16: bool,
             with amp:
                 head = measure_saved(emb, lambda: emb(ids))
         if last:
+            # tp: this rank's vocabulary columns of the output projection; the logits are all-gathered whole.
             norm, output = _fake(norm), _fake(output)
+            if tp > 1:
+                output = nn.Linear(args.dim, args.vocab_size // tp, bias=False, device="cpu", dtype=low)
             tail = nn.ModuleList([norm, output])
-            h = torch.empty(micro_batch, seq, args.dim, requires_grad=True)
+            h = torch.empty(micro_batch, seq, args.dim, dtype=low, requires_grad=True)
             tgt = torch.zeros(micro_batch, seq, dtype=torch.long)
             with amp:
-                t = measure_saved(tail, lambda: loss(output(norm(h)).float(), tgt))
-            head = Saved(head.activations + t.activations, head.weight_copies + t.weight_copies)
+                t = measure_saved(tail, lambda: output(norm(h)))
+                ldt = torch.bfloat16 if bf16 else torch.float32  # autocast's (or FSDP's bf16) matmul output
+                logits = torch.empty(micro_batch, seq, args.vocab_size, dtype=ldt, requires_grad=True)
+                ls = measure_saved(tail, lambda: loss(logits.float(), tgt))
+            head = Saved(head.activations + t.activations + ls.activations, head.weight_copies + t.weight_copies)
             out_bytes = grad = micro_batch * seq * args.vocab_size * 4
-    return StageMeasure(blk, micro_batch * seq * args.dim * 4, 2 * seq * args.head_dim * 4, head, out_bytes, grad)
+    return StageMeasure(blk, micro_batch * seq * args.dim * size, 2 * seq * args.head_dim * size, head, out_bytes,
+                        grad)
 
 
 def _fake(module: Any) -> Any:
@@ -198,15 +229,64 @@ def _fake(module: Any) -> Any:
     return module.to_empty(device="cpu")
 
 
-def param_bytes(model: nn.Module, tp: int, dp_shard: int) -> tuple[int, int]:
-    """(parameters this GPU holds, elements of the largest FSDP unit before sharding) for a stage."""
-    held, unit = 0, 0
+@dataclass
+class ParamCount:
+    """Parameter elements of one stage on one GPU."""
+
+    held: int
+    """Elements this GPU keeps between steps (its tp slice, then its FSDP shard of dim 0)."""
+    local: int
+    """Elements of the stage's tp slices before FSDP sharding (what FSDP gathers)."""
+    unit: int
+    """Elements of the largest FSDP unit (one block, or the root: embedding, final norm, output) before sharding."""
+    tensors: int
+    """Parameter tensors (each has an AdamW step counter)."""
+
+
+def param_bytes(model: nn.Module, tp: int, dp_shard: int) -> ParamCount:
+    """Count the parameters of a stage as the trainer splits them (tp first, then FSDP's dim-0 shards)."""
+    held, local, tensors = 0, 0, 0
     units: dict[str, int] = {}
     for name, p in model.named_parameters():
-        n = p.numel() // tp if any(s in name for s in TP_SHARDED) else p.numel()
-        rows = p.shape[0] if p.dim() else 1
+        split = any(s in name for s in TP_SHARDED)
+        n = p.numel() // tp if split else p.numel()
+        # tp splits dim 0 except for the row-parallel wo/w2 (dim 1): FSDP then shards the local dim 0.
+        rows = (p.shape[0] // tp if split and not name.endswith(("wo.weight", "w2.weight")) else p.shape[0]
+                ) if p.dim() else 1
         held += math.ceil(rows / dp_shard) * (n // rows) if dp_shard > 1 else n
-        key = ".".join(name.split(".")[:2]) if name.startswith("layers.") else name.split(".")[0]
+        local += n
+        tensors += 1
+        key = ".".join(name.split(".")[:2]) if name.startswith("layers.") else "root"
         units[key] = units.get(key, 0) + n
-    unit = max(units.values()) if units else 0
-    return held, unit
+    return ParamCount(held, local, max(units.values()) if units else 0, tensors)
+
+
+def fsdp_unsharded_bytes(module: nn.Module) -> dict[str, int]:
+    """Bytes FSDP2 holds unsharded right now under ``module``, read from its parameters (a measurement).
+
+    ``gathered``: the all-gather outputs the unsharded parameters live in (storage freed when resharded);
+    ``unsharded_grads``: gradients accumulated unsharded while gradient sync is off (float32 under a bf16
+    ``param_dtype``, else the unsharded parameter's own ``.grad``). Reads FSDP2's per-parameter state
+    (torch 2.13's ``FSDPParam``), which has no public accessor.
+    """
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    def nbytes(t: torch.Tensor | None) -> int:
+        if t is None:
+            return 0
+        t = t.to_local() if isinstance(t, DTensor) else t
+        return t.numel() * t.element_size()
+
+    gathered = grads = 0
+    for sub in module.modules():
+        if not isinstance(sub, FSDPModule):
+            continue
+        for group in sub._get_fsdp_state()._fsdp_param_groups:
+            for fp in group.fsdp_params:
+                gathered += sum(t.untyped_storage().nbytes() for t in fp.all_gather_outputs)
+                if fp.unsharded_accumulated_grad is not None:
+                    grads += nbytes(fp.unsharded_accumulated_grad)
+                elif hasattr(fp, "_unsharded_param"):
+                    grads += nbytes(fp._unsharded_param.grad)
+    return {"gathered": gathered, "unsharded_grads": grads}

@@ -43,6 +43,8 @@ class MeteredStage(PipelineStage):
         self.sent_bytes = 0
         self.recv_bytes = 0
         self.compute_s = 0.0
+        self.fsdp_held: dict[str, int] | None = None
+        """Under FSDP: what it held unsharded just before the first step's last backward (``memory-rank<R>.json``)."""
 
     def reset_counters(self) -> None:
         self.sent_bytes, self.recv_bytes, self.compute_s = 0, 0, 0.0
@@ -74,12 +76,19 @@ class MeteredStage(PipelineStage):
         torch's stage turns gradient sync off for every microbatch and reduce-scatters all blocks after the
         last backward (``perform_reduce_grad``, which then finds nothing left to reduce: FSDP's
         post-backward is idempotent). Syncing in the last backward instead lets each block's reduce-scatter
-        overlap the backward of the blocks before it, as without a pipeline.
+        overlap the backward of the blocks before it, as without a pipeline. With tp the FSDP root sits
+        inside ``TPBoundary``, where torch's stage does not look: its flags are set here for every backward
+        (else every microbatch would reduce-scatter and reshard).
         """
-        if last_backward and backward_type == "full" and isinstance(self.submod, FSDPModule):
-            self.submod.set_is_last_backward(True)
-            self.submod.set_reshard_after_backward(True)
-            self.submod.set_requires_gradient_sync(True)
+        fsdp = self.submod if isinstance(self.submod, FSDPModule) else getattr(self.submod, "inner", None)
+        if backward_type == "full" and isinstance(fsdp, FSDPModule):
+            if last_backward and self.fsdp_held is None:  # the peak: all gathered, earlier gradients accumulated
+                from bimetal.train.memory import fsdp_unsharded_bytes
+
+                self.fsdp_held = fsdp_unsharded_bytes(self.submod)
+            fsdp.set_is_last_backward(last_backward)
+            fsdp.set_reshard_after_backward(last_backward)
+            fsdp.set_requires_gradient_sync(last_backward)
             return stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"],
                                   bwd_kwargs["input_values"]), None
         return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)

@@ -153,7 +153,8 @@ class _XvendorMeter:
 
 
 def _write_memory(run_dir: str, rank: int, sizes: dict[str, int]) -> None:
-    """``memory-rank<R>.json``: bytes of parameters, gradients and optimizer state this rank holds."""
+    """``memory-rank<R>.json``: bytes of parameters, gradients and optimizer state this rank holds (and, under
+    FSDP with a pipeline, FSDP's unsharded parameters and gradients at the first step's last backward)."""
     import json
     from pathlib import Path
 
@@ -340,7 +341,8 @@ def _run(cfg: TrainConfig, ctx: Any, smesh: Any, models: Any, args: Any, split: 
         opt.step()
         sched.step()
         if step == start:
-            _write_memory(cfg.metrics.run_dir, rank, memory_bytes(model, opt))
+            held = runner.pipe_stage.fsdp_held if runner is not None else None  # FSDP's unsharded buffers
+            _write_memory(cfg.metrics.run_dir, rank, memory_bytes(model, opt) | (held or {}))
         loss_t = (loss_sum / cfg.optim.grad_accum).reshape(1)
         if dp_size > 1:
             with _during(rank, step + 1, "loss all-reduce", dp_name):

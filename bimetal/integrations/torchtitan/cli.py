@@ -161,7 +161,8 @@ def _launch_simulated(opts: argparse.Namespace, titan_args: list[str], split: li
         raise UserError(str(exc)) from None
     cpu_support.install(_module_name(titan_args))
     assets = Path(opts.assets or Path(_dump_folder(titan_args)) / "bimetal_assets")
-    tok_dir, data_dir = cpu_support.write_assets(assets)
+    # The paths only: the assets are written once every check has passed (a refused run writes nothing).
+    tok_dir, data_dir = assets / "tokenizer", assets / "c4_test"
     if not _given(titan_args, "hf_assets_path"):
         titan_args = [f"--hf_assets_path={tok_dir}"] + titan_args
     if not _given(titan_args, "dataloader.dataset_path"):
@@ -176,6 +177,8 @@ def _launch_simulated(opts: argparse.Namespace, titan_args: list[str], split: li
                "tp": par.tensor_parallel_degree}
     if not opts.all_gloo:
         preflight(degrees, vendors, pp_transport, simulated=True)
+    if (tok_dir, data_dir) != cpu_support.write_assets(assets):
+        raise RuntimeError(f"cpu_support.write_assets wrote elsewhere than {tok_dir} and {data_dir}")
     rank_argv = ["-m", "bimetal.integrations.torchtitan", f"--pp-transport={pp_transport}"]
     if split is not None:
         rank_argv.append(f"--layers-per-stage={','.join(map(str, split))}")

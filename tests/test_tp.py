@@ -81,7 +81,7 @@ def test_planner_writes_tp_plans_the_trainer_accepts(tmp_path: Path) -> None:
     from bimetal.plan.cli import plan_to_train_config
     from bimetal.plan.search import search
     from bimetal.plan.spec import load_spec
-    from bimetal.train.cli import _check_implemented
+    from bimetal.train.cli import _check_tp_divides_model
     from bimetal.train.config import load_config
 
     ok, _ = search(load_spec(str(HERE.parent / "configs" / "clusters" / "h100_mi300x.toml")), "llama3-8b", 8192, 256)
@@ -90,4 +90,4 @@ def test_planner_writes_tp_plans_the_trainer_accepts(tmp_path: Path) -> None:
     out.write_text(tomli_w.dumps(plan_to_train_config(plan)))
     cfg = load_config(str(out), [])
     assert (cfg.parallel.pp, cfg.parallel.dp, cfg.parallel.tp) == (plan.pp, plan.dp, plan.tp)
-    _check_implemented(cfg)
+    _check_tp_divides_model(cfg)

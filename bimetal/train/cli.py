@@ -40,8 +40,8 @@ def _check_transports(cfg: TrainConfig) -> None:
                             f"choose another transport, e.g. --parallel.{key}=gloo.")
 
 
-def _check_implemented(cfg: TrainConfig) -> None:
-    """Refuse layout keys this build of the trainer does not run yet, before any rank starts."""
+def _check_tp_divides_model(cfg: TrainConfig) -> None:
+    """Refuse a ``parallel.tp`` that does not divide the model's heads, kv heads, MLP width or vocabulary."""
     p = cfg.parallel
     if p.tp > 1:  # the model's shapes must split by tp; refused here rather than on every rank
         from bimetal.train.tp import check_tp
@@ -94,7 +94,7 @@ def main(argv: list[str]) -> int:
     auto = _auto_layout(ns, cfg, rest, vendors) if vendors and not in_rank else []
     if auto:
         cfg = load_config(ns.config, overrides + auto)
-    _check_implemented(cfg)
+    _check_tp_divides_model(cfg)
     if cfg.parallel.pp * cfg.parallel.dp * cfg.parallel.tp > 1:
         _check_transports(cfg)
     if in_rank:

@@ -17,9 +17,7 @@ of the slowest stage per step (boundary transfers and FSDP all-gathers) and the 
 
 from __future__ import annotations
 
-import tomllib
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 from bimetal.errors import UserError
@@ -139,27 +137,19 @@ def show_plan(spec: ClusterSpec, p: Plan, global_batch: int) -> str:
 
 
 def layout_from_config(path: str) -> dict[str, Any]:
-    """Layout fields of a `bimetal train` config TOML (planner names), for `bimetal plan --config`."""
-    p = Path(path)
-    try:
-        data = tomllib.loads(p.read_text())
-    except (OSError, tomllib.TOMLDecodeError) as e:
-        raise UserError(f"--config {path}: not a readable TOML file ({e}).") from None
-    model = data.get("model", {})
-    name = next((k for k, m in cost.MODELS.items()
-                 if (m.family, m.flavour) == (model.get("family", "llama3"), model.get("flavour", "debug"))), None)
+    """Layout fields of a `bimetal train` config TOML (planner names), for `bimetal plan --config`.
+
+    The file is read and checked as `bimetal train` reads it (an unknown key is refused naming key and file).
+    """
+    from bimetal.train.config import load_config
+
+    cfg = load_config(path)
+    m, par, d = cfg.model, cfg.parallel, cfg.data
+    name = next((k for k, spec in cost.MODELS.items() if (spec.family, spec.flavour) == (m.family, m.flavour)), None)
     if name is None:
-        raise UserError(f"--config {path}: model {model.get('family')}/{model.get('flavour')} has no planner "
+        raise UserError(f"--config {path}: model {m.family}/{m.flavour} has no planner "
                         f"flavour; the planner knows {', '.join(cost.MODELS)}.")
-    par, d = data.get("parallel", {}), data.get("data", {})
-    mbs, batch = int(par.get("microbatches", 2)), int(d.get("batch_size", 4))
-    if batch % mbs:
-        raise UserError(f"--config {path}: data.batch_size={batch} is not a multiple of parallel.microbatches={mbs}.")
-    pp_tr = str(par.get("pp_transport", "cpu-forward"))
-    return {"model": name, "seq": int(d.get("seq_len", 128)), "pp": int(par.get("pp", 1)),
-            "dp": int(par.get("dp", 1)), "tp": int(par.get("tp", 1)), "dp_shard": int(par.get("dp_shard", 1)),
-            "split": list(par.get("layers_per_stage", [])) or None, "micro_batch": batch // mbs,
-            "global_batch": batch * int(par.get("dp", 1)), "transport": pp_tr,
-            "dp_transport": str(par.get("dp_transport", "gloo")),
-            "homogeneous": str(par.get("homogeneous_backend", "native")),
-            "ac": str(data.get("activation_checkpoint", {}).get("mode", "none"))}
+    return {"model": name, "seq": d.seq_len, "pp": par.pp, "dp": par.dp, "tp": par.tp, "dp_shard": par.dp_shard,
+            "split": list(par.layers_per_stage) or None, "micro_batch": d.batch_size // par.microbatches,
+            "global_batch": d.batch_size * par.dp, "transport": par.pp_transport, "dp_transport": par.dp_transport,
+            "homogeneous": par.homogeneous_backend, "ac": cfg.activation_checkpoint.mode}

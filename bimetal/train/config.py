@@ -8,16 +8,21 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import tomllib
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pydantic
+
 from bimetal.errors import UserError
+from bimetal.schema import SHAPE, Problem, check, read_toml
 
 
 @dataclass
 class ModelConfig:
+    __pydantic_config__ = SHAPE
+
     family: str = "llama3"
     """Model family: ``llama3`` or ``qwen2``."""
     flavour: str = "debug"
@@ -28,6 +33,8 @@ class ModelConfig:
 
 @dataclass
 class ParallelConfig:
+    __pydantic_config__ = SHAPE
+
     pp: int = 1
     """Number of pipeline stages."""
     dp: int = 1
@@ -63,6 +70,8 @@ class ParallelConfig:
 
 @dataclass
 class DataConfig:
+    __pydantic_config__ = SHAPE
+
     path: str = ""
     """Text file, JSONL file (``text`` field) or pre-tokenized ``.bin`` shard; empty means the shipped corpus."""
     tokenizer: str = "byte"
@@ -77,6 +86,8 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
+    __pydantic_config__ = SHAPE
+
     lr: float = 3e-3
     """Peak learning rate of AdamW."""
     weight_decay: float = 0.1
@@ -99,6 +110,8 @@ class OptimConfig:
 
 @dataclass
 class TrainingConfig:
+    __pydantic_config__ = SHAPE
+
     steps: int = 100
     """Optimizer steps to run."""
     seed: int = 1234
@@ -111,6 +124,8 @@ class TrainingConfig:
 
 @dataclass
 class ActivationCheckpointConfig:
+    __pydantic_config__ = SHAPE
+
     mode: str = "none"
     """``none``, ``full`` (recompute every transformer block in the backward pass) or ``selective``."""
     every: int = 2
@@ -119,6 +134,8 @@ class ActivationCheckpointConfig:
 
 @dataclass
 class CheckpointConfig:
+    __pydantic_config__ = SHAPE
+
     folder: str = ""
     """Checkpoint folder; empty means ``<run_dir>/checkpoints``."""
     every: int = 0
@@ -134,6 +151,8 @@ class CheckpointConfig:
 
 @dataclass
 class MetricsConfig:
+    __pydantic_config__ = SHAPE
+
     run_dir: str = "runs/default"
     """Run folder: ``metrics.jsonl``, checkpoints, summary."""
     log_every: int = 1
@@ -144,6 +163,8 @@ class MetricsConfig:
 
 @dataclass
 class TrainConfig:
+    __pydantic_config__ = SHAPE
+
     model: ModelConfig = field(default_factory=ModelConfig)
     """Model family, flavour and init seed."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -252,41 +273,56 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
-def _coerce(value: Any, current: Any, where: str) -> Any:
-    """Convert a file or CLI value to the type of the default; ``where`` names the key for errors."""
-    want = type(current)
-    if isinstance(value, str) and want is not str:
-        text = value.strip()
-        try:
-            if want is bool:
-                if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
-                    raise ValueError(text)
-                return text.lower() in ("true", "1", "yes")
-            if want is list:
-                return [int(v) for v in text.strip("[]").split(",") if v.strip()]
-            return want(text)
-        except ValueError:
-            raise UserError(f"{where}={value!r} is not a valid {want.__name__}; fix the value.") from None
-    if want is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if want is list and isinstance(value, list):
-        return list(value)
-    if not isinstance(value, want) or (want is int and isinstance(value, bool)):
-        raise UserError(f"{where}={value!r} should be a {want.__name__}; fix the value.")
-    return value
+def _from_text(text: str, want: Any, where: str) -> Any:
+    """A file or CLI string for a key of type ``want`` (not ``str``), converted; ``where`` names the key."""
+    text = text.strip()
+    try:
+        if want is bool:  # the words accepted since the first release, no more
+            if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError(text)
+            return text.lower() in ("true", "1", "yes")
+        if typing.get_origin(want) is list:
+            return pydantic.TypeAdapter(want).validate_python([v for v in text.strip("[]").split(",") if v.strip()])
+        return pydantic.TypeAdapter(want).validate_python(text)
+    except (ValueError, pydantic.ValidationError):
+        name = getattr(typing.get_origin(want) or want, "__name__", str(want))
+        raise UserError(f"{where}={text!r} is not a valid {name}; fix the value.") from None
 
 
-def _apply(cfg: TrainConfig, section: str, key: str, value: Any, origin: str) -> None:
-    sections = {f.name for f in dataclasses.fields(TrainConfig)}
-    if section not in sections:
-        raise UserError(f"unknown config section [{section}] in {origin}; "
-                        f"known sections: {', '.join(sorted(sections))}.")
-    sub = getattr(cfg, section)
-    keys = {f.name for f in dataclasses.fields(sub)}
-    if key not in keys:
-        raise UserError(f"unknown config key {section}.{key} in {origin}; known keys of [{section}]: "
-                        f"{', '.join(sorted(keys))}.")
-    setattr(sub, key, _coerce(value, getattr(sub, key), f"{section}.{key}"))
+def _read_strings(data: dict[str, Any]) -> None:
+    """Convert, in place, every string written for a known non-string key (``--training.steps=5``)."""
+    for section, body in data.items():
+        cls = typing.get_type_hints(TrainConfig).get(section)
+        if cls is None or not isinstance(body, dict):
+            continue
+        hints = typing.get_type_hints(cls)
+        for key, value in body.items():
+            if isinstance(value, str) and hints.get(key, str) is not str:
+                body[key] = _from_text(value, hints[key], f"{section}.{key}")
+
+
+def _explain(file: str, from_cli: set[str]) -> typing.Callable[[Problem], str]:
+    """The config's sentences for what the schema refuses, naming the key and where it was written."""
+    sections = [f.name for f in dataclasses.fields(TrainConfig)]
+
+    def explain(p: Problem) -> str:
+        section, _, key = p.key.partition(".")
+        origin = "the command line" if p.key in from_cli or any(k.startswith(section + ".") and not key
+                                                                for k in from_cli) else file
+        if not key and (p.kind == "type" or not isinstance(p.value, dict)):
+            return f"unknown config key {section!r} in {origin}; keys belong in a [section]."
+        if p.kind == "unknown" and not key:
+            return f"unknown config section [{section}] in {origin}; known sections: {', '.join(sorted(sections))}."
+        if p.kind == "unknown":
+            return (f"unknown config key {section}.{key} in {origin}; known keys of [{section}]: "
+                    f"{', '.join(sorted(p.known))}.")
+        field_name = key.split("[", 1)[0]
+        want = typing.get_type_hints(typing.get_type_hints(TrainConfig)[section]).get(field_name, str)
+        if "[" in key:  # one element of a list
+            want = typing.get_args(want)[0]
+        name = getattr(typing.get_origin(want) or want, "__name__", str(want))
+        return f"{p.key}={p.value!r} in {origin} should be a {name}; fix the value."
+    return explain
 
 
 def parse_overrides(argv: list[str]) -> dict[str, str]:
@@ -311,26 +347,19 @@ def parse_overrides(argv: list[str]) -> dict[str, str]:
 
 def load_config(path: str | Path | None, overrides: dict[str, Any] | list[str] | None = None) -> TrainConfig:
     """Defaults, then the TOML file at ``path`` (if any), then ``overrides``; raises ``UserError``."""
-    cfg = TrainConfig.__new__(TrainConfig)
-    for f in dataclasses.fields(TrainConfig):
-        setattr(cfg, f.name, f.default_factory())  # type: ignore[misc,operator]
+    data: dict[str, Any] = {}
+    file = "the command line"
     if path is not None:
         p = Path(path)
-        if not p.is_file():
-            raise UserError(f"config file {p} does not exist; check the --config path.")
-        try:
-            data = tomllib.loads(p.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise UserError(f"config file {p} is not valid TOML ({e}); fix the syntax.") from None
-        for section, body in data.items():
-            if not isinstance(body, dict):
-                raise UserError(f"unknown config key {section!r} in {p}; keys belong in a [section].")
-            for key, value in body.items():
-                _apply(cfg, section, key, value, str(p))
+        file = str(p)
+        data = read_toml(p, f"config file {p} does not exist; check the --config path.",
+                         f"config file {p} is not valid TOML ({{error}}); fix the syntax.")
     if isinstance(overrides, list):
         overrides = parse_overrides(overrides)
     for dotted, value in (overrides or {}).items():
         section, _, key = dotted.partition(".")
-        _apply(cfg, section, key, value, "the command line")
-    cfg.validate()
-    return cfg
+        body = data.setdefault(section, {})
+        if isinstance(body, dict):
+            body[key] = value
+    _read_strings(data)
+    return check(TrainConfig, data, file, _explain(file, set(overrides or {})))  # __post_init__ validates

@@ -1,19 +1,18 @@
-"""Every config key with its default and meaning, read from the docstrings in ``bimetal/train/config.py``.
+"""Every config key with its default and meaning, from the config schema (``bimetal/train/config.py``).
 
-``bimetal train --help`` prints this list, so it cannot drift from the dataclasses: a field is listed
-with the string literal written under it (the field docstring convention of the config module), and a
-section with the docstring under its field of ``TrainConfig``.
+``bimetal train --help`` prints this list, so it cannot drift from the dataclasses: the schema keeps the
+string literal written under each field as its description (``bimetal.schema``), a section's being the one
+under its field of ``TrainConfig``.
 """
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import inspect
 import textwrap
 import typing
 from dataclasses import dataclass
 
+from bimetal.schema import descriptions
 from bimetal.train import config
 
 
@@ -27,18 +26,6 @@ class KeyDoc:
     doc: str
 
 
-def _field_docs(cls: type) -> dict[str, str]:
-    """Field name -> the string literal that follows its annotated assignment in the class body."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    docs: dict[str, str] = {}
-    for stmt, nxt in zip(body, body[1:]):
-        if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and isinstance(nxt, ast.Expr)
-                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
-            docs[stmt.target.id] = " ".join(nxt.value.value.split())
-    return docs
-
-
 def _text(value: object) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -47,12 +34,12 @@ def _text(value: object) -> str:
 
 def config_keys() -> tuple[dict[str, str], list[KeyDoc]]:
     """(section -> section doc, every key in file order) of ``TrainConfig``."""
-    sections = _field_docs(config.TrainConfig)
+    sections = descriptions(config.TrainConfig)
     keys: list[KeyDoc] = []
     hints = typing.get_type_hints(config.TrainConfig)
     for sec in dataclasses.fields(config.TrainConfig):
         cls = hints[sec.name]
-        docs, defaults = _field_docs(cls), cls()
+        docs, defaults = descriptions(cls), cls()
         keys += [KeyDoc(sec.name, f.name, _text(getattr(defaults, f.name)), docs.get(f.name, ""))
                  for f in dataclasses.fields(cls)]
     return sections, keys

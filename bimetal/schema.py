@@ -18,6 +18,7 @@ import dataclasses
 import functools
 import json
 import tomllib
+import types
 import typing
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -49,6 +50,8 @@ class Problem:
     """The keys the schema allows beside ``key`` (where it has named keys)."""
     detail: str
     """Pydantic's description of what was expected, lower-case (``input should be a valid integer``)."""
+    want: str = "value"
+    """The kind of value the key takes: ``int``, ``float``, ``str``, ``bool``, ``list``, a table's class name."""
 
     @property
     def leaf(self) -> str:
@@ -79,7 +82,7 @@ def _unwrap(tp: Any) -> Any:
         origin = typing.get_origin(tp)
         if origin is typing.Annotated:
             tp = typing.get_args(tp)[0]
-        elif origin in (list, tuple) or origin is typing.Union or str(origin) == "<class 'types.UnionType'>":
+        elif origin in (list, tuple) or origin is typing.Union or isinstance(tp, types.UnionType):
             args = [a for a in typing.get_args(tp) if a is not type(None) and a is not Ellipsis]
             if len(args) != 1:
                 return tp
@@ -97,14 +100,43 @@ def _fields_of(tp: Any) -> dict[str, Any]:
     return {}
 
 
-def known_keys(schema: Any, path: tuple[str | int, ...] = ()) -> tuple[str, ...]:
-    """The keys the table at ``path`` (names and list positions) of ``schema`` may hold, in schema order."""
+def _type_at(schema: Any, path: tuple[str | int, ...]) -> Any:
+    """The type of the value at ``path`` (key names and list positions) of ``schema``; None if it has none."""
     tp: Any = schema
     for step in path:
         tp = _unwrap(tp) if isinstance(step, int) else _fields_of(tp).get(step)
         if tp is None:
-            return ()
-    return tuple(_fields_of(tp))
+            return None
+    return tp
+
+
+def known_keys(schema: Any, path: tuple[str | int, ...] = ()) -> tuple[str, ...]:
+    """The keys the table at ``path`` of ``schema`` may hold, in schema order."""
+    return tuple(_fields_of(_type_at(schema, path)))
+
+
+def type_name(schema: Any, path: tuple[str | int, ...]) -> str:
+    """``int``, ``float``, ``str``, ``bool``, ``list``, ... : the kind of value ``path`` of ``schema`` takes."""
+    tp = _type_at(schema, path)
+    if tp is None:
+        return "value"
+    origin = typing.get_origin(_unwrap_optional(tp))
+    tp = origin or _unwrap_optional(tp)
+    return getattr(tp, "__name__", str(tp))
+
+
+def _unwrap_optional(tp: Any) -> Any:
+    while True:
+        origin = typing.get_origin(tp)
+        if origin is typing.Annotated:
+            tp = typing.get_args(tp)[0]
+        elif origin is typing.Union or isinstance(tp, types.UnionType):
+            args = [a for a in typing.get_args(tp) if a is not type(None)]
+            if len(args) != 1:
+                return tp
+            tp = args[0]
+        else:
+            return tp
 
 
 def _dotted(loc: tuple[str | int, ...]) -> str:
@@ -114,17 +146,21 @@ def _dotted(loc: tuple[str | int, ...]) -> str:
     return out
 
 
+_UNKNOWN = ("extra_forbidden", "unexpected_keyword_argument")
+
+
 def problem_of(schema: Any, error: pydantic.ValidationError) -> Problem:
-    """The first error of a validation, as a ``Problem``."""
-    e = error.errors(include_url=False)[0]
+    """The first error of a validation, as a ``Problem``; an unknown key goes first (a misspelt key is the
+    likelier cause of a missing one)."""
+    errors = error.errors(include_url=False)
+    e = next((x for x in errors if x["type"] in _UNKNOWN), errors[0])
     loc = tuple(e["loc"])
-    kind = {"extra_forbidden": "unknown", "unexpected_keyword_argument": "unknown", "missing": "missing",
-            "missing_argument": "missing"}.get(e["type"])
+    kind = "unknown" if e["type"] in _UNKNOWN else "missing" if e["type"] in ("missing", "missing_argument") else None
     if kind is None:
         kind = "type" if e["type"].endswith("_type") or e["type"].endswith("_parsing") else "value"
     detail = e["msg"][:1].lower() + e["msg"][1:]
     value = None if kind == "missing" else e.get("input")
-    return Problem(kind, _dotted(loc), value, known_keys(schema, loc[:-1]), detail)
+    return Problem(kind, _dotted(loc), value, known_keys(schema, loc[:-1]), detail, type_name(schema, loc))
 
 
 def check(schema: type[T], data: Any, source: str, explain: Callable[[Problem], str] | None = None) -> T:

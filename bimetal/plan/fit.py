@@ -71,9 +71,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--group", action="append", default=[], help="group name to set (repeatable; default all)")
     ap.add_argument("--out", required=True, help="spec TOML to write")
     a = ap.parse_args(argv)
-    load_spec(a.spec)  # refuses a bad spec with the key and file named
+    names = [g.name for g in load_spec(a.spec).groups]  # refuses a bad spec with the key and file named
     data = tomllib.loads(Path(a.spec).read_text())
-    names = [str(t.get("name", f"{t['vendor']}{i}")) for i, t in enumerate(data["group"])]
     unknown = sorted(set(a.group) - set(names))
     if unknown:
         raise UserError(f"--group {unknown[0]!r} is not a group of {a.spec}; its groups are {', '.join(names)}.")

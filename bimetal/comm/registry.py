@@ -14,12 +14,15 @@ built (or whose library is missing) fails when a group asks for it, with a messa
 from __future__ import annotations
 
 import importlib
-import json
 import os
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
+
+from bimetal.errors import UserError
+from bimetal.topology import store_exchange
 
 CPU_FORWARD = "bimetal_cpu_forward"
 DEVICE_DIRECT = "bimetal_device_direct"
@@ -56,17 +59,26 @@ def _transport_creator(name: str):
     return create
 
 
+@dataclass(frozen=True)
+class VendorRecord:
+    """What each member of a native group tells the others: its vendor (checked by ``bimetal.schema``)."""
+
+    __pydantic_config__ = {"extra": "forbid"}  # bimetal.schema.SHAPE, spelt out: pydantic loads only when used
+
+    vendor: str
+
+
 def _vendor_handshake(store: dist.Store, rank: int, size: int, timeout: timedelta, vendor: str) -> list[str]:
     """Every rank of a new group learns every member's vendor (JSON over the group's store)."""
-    store.set(f"bimetal_vendor/{rank}", json.dumps({"vendor": vendor}))
-    store.set_timeout(timeout)
-    vendors = []
-    for r in range(size):
-        record = json.loads(store.get(f"bimetal_vendor/{r}"))
-        if not isinstance(record, dict) or not isinstance(record.get("vendor"), str):
-            raise VendorMismatchError(f"malformed vendor record from group rank {r}: {record!r}")
-        vendors.append(record["vendor"])
-    return vendors
+    from bimetal.schema import check  # lazily: importing pydantic costs ~0.5 s, import bimetal stays cheap
+
+    def decode(value: Any, r: int) -> str:
+        try:
+            return check(VendorRecord, value, f"vendor record of group rank {r}").vendor
+        except UserError:
+            raise VendorMismatchError(f"malformed vendor record from group rank {r}: {value!r}") from None
+
+    return store_exchange.exchange(store, "bimetal_vendor", rank, {"vendor": vendor}, range(size), timeout, decode)
 
 
 def _create_sim_native(dist_backend_opts: Any, pg_options: Any):

@@ -9,7 +9,6 @@ callers pass the context on.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -19,6 +18,7 @@ import torch.distributed as dist
 from bimetal.comm.registry import CPU_FORWARD
 from bimetal.parallel.groups import GroupSpec, create_groups, format_group_table, plan_groups
 from bimetal.parallel.layout import Layout, ParallelDims, plan_layout
+from bimetal.topology import store_exchange
 from bimetal.topology.exchange import exchange_topology
 from bimetal.topology.records import ClusterView
 from bimetal.topology.vendor import detect_vendor, is_simulated
@@ -163,9 +163,10 @@ def init_parallel(
                  if groups.get(g.name) is not None and getattr(groups[g.name], "fallback_reason", None)}
     for g in specs:
         if g.ranks[0] == rank:
-            store.set(f"bimetal/built/{g.name}", json.dumps({"fallback": fallbacks.get(g.name, "")}))
+            store_exchange.publish(store, "bimetal/built", g.name, {"fallback": fallbacks.get(g.name, "")})
     if print_table and rank == 0:
-        built = {g.name: json.loads(store.get(f"bimetal/built/{g.name}"))["fallback"] for g in specs}
+        records: list[dict[str, str]] = store_exchange.gather(store, "bimetal/built", [g.name for g in specs])
+        built = {g.name: str(r["fallback"]) for g, r in zip(specs, records)}
         print(f"bimetal groups ({dims.describe()}):\n" + format_group_table(specs, built), flush=True)
     stage, dp_rank, tp_rank = layout.coords(rank)
     ctx = ParallelContext(

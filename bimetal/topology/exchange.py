@@ -7,6 +7,7 @@ same sentence naming the rank and the field.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 from datetime import timedelta
@@ -14,6 +15,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from bimetal.topology import store_exchange
 from bimetal.topology.records import ClusterView, RankRecord, TopologyError, local_nics
 from bimetal.topology.vendor import detect_vendor, is_simulated
 
@@ -76,16 +78,15 @@ def exchange_topology(
 ) -> ClusterView:
     """Publish this rank's record, read everyone's, and return the validated view (same on every rank)."""
     record = record if record is not None else local_record(rank)
-    store.set(f"{prefix}/{rank}", record.to_json())
-    store.set_timeout(timeout)
-    records = []
-    for r in range(world_size):
-        try:
-            raw = store.get(f"{prefix}/{r}")
-        except (RuntimeError, dist.DistStoreError) as exc:
-            raise TopologyError(
-                f"rank {r} did not publish its topology record within {timeout.total_seconds():.0f} s; "
-                "check that every rank started and reaches the same store"
-            ) from exc
-        records.append(RankRecord.from_json(raw, expected_rank=r))
+
+    def missing(r: int, exc: BaseException) -> TopologyError:
+        return TopologyError(f"rank {r} did not publish its topology record within {timeout.total_seconds():.0f} s; "
+                             "check that every rank started and reaches the same store")
+
+    def not_json(r: int, exc: BaseException) -> TopologyError:
+        return TopologyError(f"topology record of rank {r} is not valid JSON ({exc})")
+
+    payload = json.loads(record.to_json())
+    records = store_exchange.exchange(store, prefix, rank, payload, range(world_size), timeout,
+                                      lambda value, r: RankRecord.from_dict(value, expected_rank=r), missing, not_json)
     return ClusterView(records)

@@ -11,9 +11,12 @@ import json
 import socket
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import Field
 
 from bimetal.errors import UserError
+from bimetal.schema import SHAPE, Problem, check
 from bimetal.topology.vendor import VENDORS
 
 RECORD_VERSION = 1
@@ -70,51 +73,73 @@ class RankRecord:
         def fail(key: str, why: str) -> TopologyError:
             return TopologyError(f"topology record of {where}: field {key!r} {why}")
 
-        expected = {"version", "rank", "local_rank", "host", "vendor", "device", "memory_bytes", "nics"}
-        unknown = sorted(set(payload) - expected)
-        if unknown:
-            raise fail(unknown[0], "is not a known field")
-        for key in sorted(expected):
-            if key not in payload:
-                raise fail(key, "is missing")
-        if payload["version"] != RECORD_VERSION:
-            raise fail("version", f"is {payload['version']!r}, this bimetal reads version {RECORD_VERSION}")
-        for key in ("rank", "local_rank", "memory_bytes"):
-            value = payload[key]
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise fail(key, f"must be a non-negative integer, got {value!r}")
-        if expected_rank is not None and payload["rank"] != expected_rank:
-            raise fail("rank", f"says {payload['rank']}, but the record was published by rank {expected_rank}")
-        for key in ("host", "vendor", "device"):
-            value = payload[key]
-            if not isinstance(value, str) or not value or len(value) > _MAX_STR:
-                raise fail(key, f"must be a non-empty string of at most {_MAX_STR} characters, got {value!r}")
-        if payload["vendor"] not in VENDORS:
-            raise fail("vendor", f"is {payload['vendor']!r}, expected one of {', '.join(VENDORS)}")
-        nics_raw = payload["nics"]
-        if not isinstance(nics_raw, list) or len(nics_raw) > _MAX_NICS:
-            raise fail("nics", f"must be a list of at most {_MAX_NICS} interfaces")
-        nics = []
-        for i, nic in enumerate(nics_raw):
-            if not isinstance(nic, dict) or set(nic) != {"name", "address"}:
-                raise fail(f"nics[{i}]", "must be an object with exactly 'name' and 'address'")
-            name, address = nic["name"], nic["address"]
-            if not isinstance(name, str) or not 0 < len(name) <= 15 or not name.isprintable() or "/" in name:
-                raise fail(f"nics[{i}].name", f"is not an interface name: {name!r}")
+        def explain(p: Problem) -> str:
+            key = p.key
+            if p.kind == "unknown" and "[" in key:  # a NIC entry with other keys than name and address
+                key = key.rsplit(".", 1)[0]
+                return str(fail(key, "must be an object with exactly 'name' and 'address'"))
+            why = {"unknown": "is not a known field", "missing": "is missing"}.get(p.kind)
+            if why is None and key.startswith("nics["):
+                why = "must be an object with exactly 'name' and 'address'"
+                key = key.split(".", 1)[0]
+            if why is None:
+                why = {"int": "must be a non-negative integer", "str":
+                       f"must be a non-empty string of at most {_MAX_STR} characters",
+                       "list": f"must be a list of at most {_MAX_NICS} interfaces"}.get(p.want, p.detail)
+                if key != "nics":
+                    why += f", got {p.value!r}"
+            return str(fail(key, why))
+
+        try:
+            wire = check(RecordWire, payload, f"topology record of {where}", explain)
+        except UserError as exc:
+            raise TopologyError(str(exc)) from None
+        if wire.version != RECORD_VERSION:
+            raise fail("version", f"is {wire.version!r}, this bimetal reads version {RECORD_VERSION}")
+        if expected_rank is not None and wire.rank != expected_rank:
+            raise fail("rank", f"says {wire.rank}, but the record was published by rank {expected_rank}")
+        if wire.vendor not in VENDORS:
+            raise fail("vendor", f"is {wire.vendor!r}, expected one of {', '.join(VENDORS)}")
+        for i, nic in enumerate(wire.nics):
+            if not 0 < len(nic.name) <= 15 or not nic.name.isprintable() or "/" in nic.name:
+                raise fail(f"nics[{i}].name", f"is not an interface name: {nic.name!r}")
             try:
-                ipaddress.ip_address(address)
-            except (ValueError, TypeError):
-                raise fail(f"nics[{i}].address", f"is not an IP address: {address!r}") from None
-            nics.append(NicInfo(name, address))
-        return RankRecord(
-            rank=payload["rank"],
-            local_rank=payload["local_rank"],
-            host=payload["host"],
-            vendor=payload["vendor"],
-            device=payload["device"],
-            memory_bytes=payload["memory_bytes"],
-            nics=tuple(nics),
-        )
+                ipaddress.ip_address(nic.address)
+            except ValueError:
+                raise fail(f"nics[{i}].address", f"is not an IP address: {nic.address!r}") from None
+        return RankRecord(rank=wire.rank, local_rank=wire.local_rank, host=wire.host, vendor=wire.vendor,
+                          device=wire.device, memory_bytes=wire.memory_bytes,
+                          nics=tuple(NicInfo(n.name, n.address) for n in wire.nics))
+
+
+Count = Annotated[int, Field(ge=0)]
+Text = Annotated[str, Field(min_length=1, max_length=_MAX_STR)]
+
+
+@dataclass(frozen=True)
+class NicWire:
+    """One interface of a record as it travels."""
+
+    __pydantic_config__ = SHAPE
+
+    name: str
+    address: str
+
+
+@dataclass(frozen=True)
+class RecordWire:
+    """A ``RankRecord`` as it travels (JSON): every field required, no other field allowed."""
+
+    __pydantic_config__ = SHAPE
+
+    version: int
+    rank: Count
+    local_rank: Count
+    host: Text
+    vendor: Text
+    device: Text
+    memory_bytes: Count
+    nics: Annotated[list[NicWire], Field(max_length=_MAX_NICS)]
 
 
 class ClusterView:

@@ -23,16 +23,12 @@ import torch.distributed as dist
 
 from bimetal.errors import UserError
 from bimetal.topology import store_exchange
+from bimetal.transports import CPU_FORWARD, DEVICE_DIRECT, SIM_NATIVE, TABLE
 
-CPU_FORWARD = "bimetal_cpu_forward"
-DEVICE_DIRECT = "bimetal_device_direct"
-SIM_NATIVE = "bimetal_sim_native"
+__all__ = ["CPU_FORWARD", "DEVICE_DIRECT", "SIM_NATIVE", "register_backends"]
 
 # transport back-end name -> module with ``create_process_group(dist_backend_opts, pg_options)``
-_TRANSPORT_MODULES = {
-    CPU_FORWARD: "bimetal.comm.cpu_forward",
-    DEVICE_DIRECT: "bimetal.comm.device_direct",
-}
+_TRANSPORT_MODULES = {t.backend: t.module for t in TABLE if t.module is not None}
 
 
 class TransportUnavailableError(RuntimeError):
@@ -112,7 +108,7 @@ def register_backends() -> None:
     global _registered
     if _registered:
         return
-    for name in (CPU_FORWARD, DEVICE_DIRECT):
+    for name in _TRANSPORT_MODULES:
         dist.Backend.register_backend(name, _transport_creator(name), extended_api=True, devices=["cpu", "cuda"])
     dist.Backend.register_backend(SIM_NATIVE, _create_sim_native, extended_api=True, devices=["cpu"])
     _registered = True

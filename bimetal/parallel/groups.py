@@ -21,12 +21,12 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from bimetal.comm.registry import CPU_FORWARD, DEVICE_DIRECT, SIM_NATIVE
+from bimetal.comm.registry import CPU_FORWARD, SIM_NATIVE
 from bimetal.errors import UserError
 from bimetal.parallel.layout import Layout
 from bimetal.topology.records import ClusterView, format_rows
+from bimetal.transports import DEFAULT, TRANSPORTS
 
-TRANSPORTS = {"cpu-forward": CPU_FORWARD, "device-direct": DEVICE_DIRECT, "gloo": "gloo"}
 AXES = ("pp", "dp")
 HOMOGENEOUS = ("native", "gloo")
 
@@ -59,7 +59,7 @@ def native_backend(vendor: str, simulated: bool) -> str:
 
 def resolve_transports(transports: dict[str, str] | None) -> dict[str, str]:
     """Map axis -> torch back-end name for cross-vendor groups; ``UserError`` on unknown names."""
-    chosen = {"pp": "cpu-forward", "dp": "cpu-forward"}
+    chosen = {"pp": DEFAULT, "dp": DEFAULT}
     for axis, name in (transports or {}).items():
         if axis == "homogeneous":
             if name not in HOMOGENEOUS:
@@ -70,7 +70,7 @@ def resolve_transports(transports: dict[str, str] | None) -> dict[str, str]:
         if name not in TRANSPORTS:
             raise UserError(f"unknown transport {name!r} for axis {axis}; use one of {', '.join(TRANSPORTS)}")
         chosen[axis] = name
-    return {axis: TRANSPORTS[name] for axis, name in chosen.items()}
+    return {axis: TRANSPORTS[name].backend for axis, name in chosen.items()}
 
 
 def plan_groups(

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import tomli_w
 
+from bimetal import transports
 from bimetal.errors import UserError
 from bimetal.plan import cost
 from bimetal.plan.explain import breakdown, explain
@@ -162,12 +163,13 @@ def _write_titan(path: str, ok: list[Plan], spec: ClusterSpec, spec_path: str, q
 
 _LAYOUT_DEFAULTS: dict[str, object] = {
     "pp": None, "dp": None, "tp": 1, "dp_shard": 1, "ac": "none", "micro_batch": 1, "split": None,
-    "transport": "cpu-forward", "dp_transport": None, "homogeneous": "native", "nics": "per-gpu"}
+    "transport": transports.DEFAULT, "dp_transport": None, "homogeneous": "native", "nics": "per-gpu"}
 
 
 def _layout_args(ap: argparse.ArgumentParser) -> None:
-    from bimetal.plan.hostpath import NIC_MODES, TRANSPORTS
+    from bimetal.plan.hostpath import NIC_MODES
     from bimetal.plan.search import AC_MODES
+    from bimetal.transports import DEFAULT, NAMES
 
     g = ap.add_argument_group("one layout (instead of the search)")
     g.add_argument("--pp", type=int, help="pipeline stages; evaluates this layout and prints the baselines")
@@ -177,8 +179,8 @@ def _layout_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--ac", choices=AC_MODES, default="none", help="activation checkpointing")
     g.add_argument("--micro-batch", type=int, default=1)
     g.add_argument("--split", help="layers per stage, e.g. 17,15 (default: the balanced split)")
-    g.add_argument("--transport", choices=TRANSPORTS, default="cpu-forward", help="cross-vendor pipeline groups")
-    g.add_argument("--dp-transport", choices=TRANSPORTS, default=None,
+    g.add_argument("--transport", choices=NAMES, default=DEFAULT, help="cross-vendor pipeline groups")
+    g.add_argument("--dp-transport", choices=NAMES, default=None,
                    help="cross-vendor parts of data-parallel groups (default: --transport)")
     g.add_argument("--homogeneous", choices=("native", "gloo"), default="native",
                    help="back-end of one-vendor groups (gloo: every group on Gloo)")

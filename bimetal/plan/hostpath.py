@@ -22,8 +22,8 @@ from __future__ import annotations
 import math
 
 from bimetal.plan.spec import NodeGroup
+from bimetal.transports import NAMES
 
-TRANSPORTS = ("gloo", "cpu-forward", "device-direct")
 NIC_MODES = ("shared", "per-gpu", "striped")
 CHUNK_BYTES = 4 * 2**20
 """cpu-forward's pipelining chunk (``bimetal.comm.striping.DEFAULT_CHUNK_BYTES``)."""
@@ -70,7 +70,7 @@ def pair_transfer_seconds(nbytes: float, transport: str, src: NodeGroup, dst: No
     net = nbytes / (wire * 1e9)
     if transport == "device-direct":
         return latency + net
-    if transport not in TRANSPORTS:
+    if transport not in NAMES:
         raise ValueError(f"unknown transport {transport!r}")
     parts = [nbytes / (copy_gbps(src, pairs) * 1e9), net, nbytes / (copy_gbps(dst, pairs) * 1e9)]
     if transport == "gloo":

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field, replace
 
 from bimetal.plan import cost, hostpath
 from bimetal.plan.spec import ClusterSpec, NodeGroup
+from bimetal.transports import BIMETAL
 
-TRANSPORTS = ("cpu-forward", "device-direct")
 MEMORY_RESERVE = 0.9
 """Fraction of device memory the planner lets a stage use (allocator fragmentation, workspaces)."""
 
@@ -301,7 +301,7 @@ def search(spec: ClusterSpec, model: str, seq: int, global_batch: int) -> tuple[
                 continue
             dp = n // tp // pp
             for b in (1, 2, 4):
-                for tr in TRANSPORTS:
+                for tr in BIMETAL:  # the cross-vendor transports a plan may choose
                     for shard in shard_degrees(spec, pp, dp, tp):
                         for ac in AC_MODES:
                             p = evaluate(spec, model, seq, global_batch, pp, dp, tp, b, tr, dp_shard=shard, ac=ac)

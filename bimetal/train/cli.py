@@ -20,15 +20,14 @@ from bimetal.train.config import TrainConfig, load_config, parse_overrides
 from bimetal.train.console import rank_logging
 from bimetal.train.metrics import format_summary
 from bimetal.train.preflight import check_data, check_layout, check_model, check_world
-
-_TRANSPORT_MODULES = {"cpu-forward": "bimetal.comm.cpu_forward", "device-direct": "bimetal.comm.device_direct"}
+from bimetal.transports import TRANSPORTS
 
 
 def _check_transports(cfg: TrainConfig) -> None:
     """Refuse a transport this build lacks before any rank starts (else every rank dies in group creation)."""
     for key in ("pp_transport", "dp_transport"):
         name = getattr(cfg.parallel, key)
-        module = _TRANSPORT_MODULES.get(name)
+        module = TRANSPORTS[name].module if name in TRANSPORTS else None
         if module is None:
             continue
         try:

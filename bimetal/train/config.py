@@ -15,6 +15,7 @@ from typing import Any
 
 import pydantic
 
+from bimetal import transports
 from bimetal.errors import UserError
 from bimetal.schema import SHAPE, Problem, check, read_toml
 
@@ -51,10 +52,10 @@ class ParallelConfig:
     """Pipeline schedule: ``1f1b`` or ``gpipe``."""
     microbatches: int = 2
     """Microbatches per optimizer step per replica (per accumulation step)."""
-    pp_transport: str = "cpu-forward"
-    """Transport of the pipeline group: ``cpu-forward``, ``device-direct`` or ``gloo``."""
-    dp_transport: str = "gloo"
-    """Transport of the data-parallel groups."""
+    pp_transport: str = transports.DEFAULT
+    """Transport of pipeline groups that span vendors: ``cpu-forward``, ``device-direct`` or ``gloo``."""
+    dp_transport: str = transports.DEFAULT
+    """Transport of data-parallel groups that span vendors (with ``allow_cross_vendor_dp``), as ``pp_transport``."""
     homogeneous_backend: str = "native"
     """Back-end of one-vendor groups: ``native`` (NCCL/RCCL) or ``gloo`` (with ``pp_transport`` and
     ``dp_transport`` set to ``gloo``: every group on stock Gloo, the baseline ``bimetal plan --ladder`` prices)."""

@@ -18,7 +18,8 @@ import itertools
 from dataclasses import dataclass, field
 
 from bimetal.errors import UserError
-from bimetal.parallel.groups import TRANSPORTS, GroupSpec, classify, format_group_table, native_backend
+from bimetal.parallel.groups import GroupSpec, classify, format_group_table, native_backend
+from bimetal.transports import BIMETAL, TRANSPORTS
 
 CROSS_VENDOR_DIMS = ("pp",)
 """Mesh dimensions that may span vendors (on a bimetal transport); every other one must not."""
@@ -58,7 +59,7 @@ class MeshBackends:
     made: list[GroupSpec] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if self.pp_transport not in ("cpu-forward", "device-direct"):
+        if self.pp_transport not in BIMETAL:
             raise UserError(f"pp transport {self.pp_transport!r} is unknown; use cpu-forward or device-direct")
 
     def choose(self, dim: str, groups: list[tuple[int, ...]]) -> str:
@@ -69,7 +70,7 @@ class MeshBackends:
         if "cross-vendor" not in kinds:
             return native_backend(self.vendors[groups[0][0]], self.simulated)
         if dim in CROSS_VENDOR_DIMS:
-            return TRANSPORTS[self.pp_transport]
+            return TRANSPORTS[self.pp_transport].backend
         bad = next(g for g in groups if classify(tuple(self.vendors[r] for r in g)) == "cross-vendor")
         mix = ", ".join(f"{r}:{self.vendors[r]}" for r in bad)
         raise MixedVendorDimensionError(

@@ -1,10 +1,12 @@
-"""Every ``BIMETAL_*`` environment variable a user may set, checked in one place before any rank starts.
+"""Every ``BIMETAL_*`` environment variable a user may set: one table, checked before any rank starts, and
+the one reader the code uses.
 
-The readers stay where they are used (``comm/striping.py``, ``comm/device_direct``, ``faults.py``, ...); this
-table mirrors their accepted values so that ``bimetal train``/``bimetal launch`` refuse a bad value with one
-sentence naming the variable before any process is started, and a rank started by torchrun refuses it at its
-entry point instead of deep inside group creation. A variable bimetal does not know is named in a warning
-(a misspelt one would otherwise be ignored silently).
+``VARIABLES`` lists each variable with the check of its values, so that ``bimetal train``/``bimetal launch``
+refuse a bad value with one sentence naming the variable before any process is started, and a rank started by
+torchrun refuses it at its entry point instead of deep inside group creation. A variable bimetal does not know
+is named in a warning (a misspelt one would otherwise be ignored silently). The code reads a variable through
+``read``, ``read_int``, ``read_size``, ``read_float`` or ``read_flag``, which apply the same check, so a value
+that passes at launch reads the same inside a rank.
 """
 
 from __future__ import annotations
@@ -175,3 +177,59 @@ def unknown_warning(names: list[str]) -> str:
     """The one-line warning about variables bimetal does not read."""
     return (f"bimetal does not know the environment variable(s) {', '.join(names)}; they have no effect "
             "(the README lists the variables it reads).")
+
+
+def read(name: str, env: Mapping[str, str] | None = None) -> str | None:
+    """The value of the listed variable ``name`` after its check; None when it is unset or empty."""
+    check = VARIABLES[name]  # a KeyError here is a bug: list the variable in VARIABLES first
+    raw = (os.environ if env is None else env).get(name, "")
+    if raw == "":
+        return None
+    check(name, raw)
+    return raw
+
+
+def read_int(name: str, default: int) -> int:
+    """``name`` as an integer (``default`` when unset); one sentence naming it when it is not one."""
+    raw = os.environ.get(name, "")
+    if raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise UserError(f"{name}={raw!r} is not an integer; set it to a whole number") from None
+    read(name)
+    return value
+
+
+def read_size(name: str, default: int) -> int:
+    """Bytes from ``name``, with the size syntax of ``bimetal bench comm`` (``65536``, ``64K``, ``4M``)."""
+    raw = os.environ.get(name, "")
+    if raw == "":
+        return default
+    from bimetal.comm.bench import parse_size
+
+    try:
+        value = parse_size(raw)
+    except UserError:
+        raise UserError(f"{name}={raw!r} is not a size; write bytes like 65536, 64K or 4M") from None
+    read(name)
+    return value
+
+
+def read_float(name: str, default: float) -> float:
+    """``name`` as a number (``default`` when unset); one sentence naming it when it is not one."""
+    raw = os.environ.get(name, "")
+    if raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise UserError(f"{name}={raw!r} is not a number; set it to seconds, e.g. 5") from None
+    read(name)
+    return value
+
+
+def read_flag(name: str) -> bool:
+    """True when the 0/1 variable ``name`` is set to 1."""
+    return (read(name) or "0").strip() == "1"

@@ -33,6 +33,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from bimetal.env import read as read_env
+
 REPORT_ENV = "BIMETAL_LAUNCH_REPORT"
 """Folder where the ranks of a bimetal-launched attempt leave their outcome and last completed step."""
 
@@ -48,7 +50,7 @@ def _rank() -> int:
 
 def report_step(step: int) -> None:
     """Rank side: note that this rank completed ``step`` (no-op unless a bimetal launcher started it)."""
-    folder = os.environ.get(REPORT_ENV)
+    folder = read_env(REPORT_ENV)
     if folder:
         with contextlib.suppress(OSError):  # the launcher is gone or cleaned up: nothing to tell it
             Path(folder, f"rank-{_rank()}.step").write_text(str(step))
@@ -57,7 +59,7 @@ def report_step(step: int) -> None:
 def report_outcome(status: int, message: str) -> bool:
     """Rank side: leave this rank's final sentence for the launcher; False when not bimetal-launched
     (the caller then prints it itself)."""
-    folder = os.environ.get(REPORT_ENV)
+    folder = read_env(REPORT_ENV)
     if not folder:
         return False
     try:

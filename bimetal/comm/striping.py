@@ -18,6 +18,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from bimetal.env import read_float, read_int, read_size
 from bimetal.errors import UserError
 
 ENV_STRIPES = "BIMETAL_CF_STRIPES"
@@ -51,10 +52,10 @@ class CpuForwardOptions:
     def resolved(self) -> CpuForwardOptions:
         env = os.environ
         ifaces = list(self.interfaces) or [s for s in env.get(ENV_IFACES, "").split(",") if s.strip()]
-        stripes = self.stripes or _int_env(ENV_STRIPES, 0) or len(ifaces) or 1
-        chunk = self.chunk_bytes or _size_env(ENV_CHUNK, DEFAULT_CHUNK_BYTES)
-        pool = self.pool_buffers or _int_env(ENV_POOL, 8)
-        stall = self.stall_timeout_s or _float_env(ENV_STALL, 0.0)
+        stripes = self.stripes or read_int(ENV_STRIPES, 0) or len(ifaces) or 1
+        chunk = self.chunk_bytes or read_size(ENV_CHUNK, DEFAULT_CHUNK_BYTES)
+        pool = self.pool_buffers or read_int(ENV_POOL, 8)
+        stall = self.stall_timeout_s or read_float(ENV_STALL, 0.0)
         if not 1 <= stripes <= 62 or chunk < 1024 or pool < 2 or stall < 0:
             raise UserError(f"cpu-forward options out of range: stripes={stripes} (1..62), chunk_bytes={chunk} "
                             f"(>= 1024), pool_buffers={pool} (>= 2), stall_timeout_s={stall:g} (>= 0)")
@@ -66,39 +67,6 @@ class CpuForwardOptions:
     def stall_seconds(self, timeout: timedelta) -> float:
         """The stripe-stall timeout of a group with op timeout ``timeout``."""
         return self.stall_timeout_s or min(10.0, timeout.total_seconds() / 3)
-
-
-def _int_env(name: str, default: int) -> int:
-    raw = os.environ.get(name, "")
-    if not raw:
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise UserError(f"{name}={raw!r} is not an integer; set it to a whole number") from None
-
-
-def _size_env(name: str, default: int) -> int:
-    """Bytes from ``name``, with the size syntax of ``bimetal bench comm`` (``65536``, ``64K``, ``4M``)."""
-    raw = os.environ.get(name, "")
-    if not raw:
-        return default
-    from bimetal.comm.bench import parse_size
-
-    try:
-        return parse_size(raw)
-    except UserError:
-        raise UserError(f"{name}={raw!r} is not a size; write bytes like 65536, 64K or 4M") from None
-
-
-def _float_env(name: str, default: float) -> float:
-    raw = os.environ.get(name, "")
-    if not raw:
-        return default
-    try:
-        return float(raw)
-    except ValueError:
-        raise UserError(f"{name}={raw!r} is not a number; set it to seconds, e.g. 5") from None
 
 
 def choose_interfaces(opts: CpuForwardOptions) -> list[str | None]:

@@ -107,7 +107,9 @@ RANK_ENV = "BIMETAL_LAB_RANK_ENV"
 def apply_rank_env(local_rank: int) -> None:
     """Per-rank settings a node-wide environment cannot give: ``$BIMETAL_LAB_RANK_ENV`` is a JSON object of
     templates, ``{nic}`` / ``{nic_addr}`` being NIC ``local_rank % K`` of this namespace (one NIC per rank)."""
-    raw = os.environ.get(RANK_ENV)
+    from bimetal import env
+
+    raw = env.read(RANK_ENV)
     if not raw:
         return
     import json

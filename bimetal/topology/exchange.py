@@ -15,6 +15,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from bimetal import env
 from bimetal.topology import store_exchange
 from bimetal.topology.records import ClusterView, RankRecord, TopologyError, local_nics
 from bimetal.topology.vendor import detect_vendor, is_simulated
@@ -30,8 +31,9 @@ def host_identity() -> str:
     in a named namespace other than init's, because namespaces on one box are separate nodes to us (the
     lab), while ranks in one namespace share its loopback like GPUs share NVLink.
     """
-    if os.environ.get(HOST_ENV):
-        return os.environ[HOST_ENV]
+    named = env.read(HOST_ENV)
+    if named:
+        return named
     host = socket.gethostname()
     try:
         mine = os.stat("/proc/self/ns/net").st_ino

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from bimetal import faults
+from bimetal import env, faults
 from bimetal.comm.meter import TransportMeter
 from bimetal.errors import JobAborted, UserError
 from bimetal.supervisor import report_step
@@ -63,7 +63,7 @@ def _during(rank: int, step: int, phase: str, group: str | None) -> Iterator[Non
     try:
         yield
     except RuntimeError as exc:
-        if os.environ.get("BIMETAL_TRACEBACK") == "1":
+        if env.read_flag("BIMETAL_TRACEBACK"):
             raise
         where = f" on group {group!r}" if group else ""
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
@@ -79,7 +79,7 @@ def _device() -> torch.device:
         dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(dev)
         return dev
-    if torch.cuda.is_available() and os.environ.get("BIMETAL_SIMULATE_DEVICE") == "cuda":
+    if torch.cuda.is_available() and env.read("BIMETAL_SIMULATE_DEVICE") == "cuda":
         dev = torch.device("cuda", 0)  # simulated vendors sharing the one GPU (scripts/gpu_check.sh)
         torch.cuda.set_device(dev)
         return dev
@@ -175,7 +175,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     split = cfg.stage_split(args.n_layers)
     check_tp(args, cfg.parallel.tp, f"{cfg.model.family}/{cfg.model.flavour}")
     torch.manual_seed(cfg.training.seed)
-    torch.set_num_threads(int(os.environ.get("BIMETAL_THREADS", "1")))
+    torch.set_num_threads(env.read_int("BIMETAL_THREADS", 1))
     if cfg.training.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
 

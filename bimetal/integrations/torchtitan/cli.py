@@ -19,6 +19,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from bimetal.env import read as read_env
 from bimetal.errors import UserError
 from bimetal.integrations.torchtitan.split import module_fqns_per_model_part, parse_split
 
@@ -134,7 +135,7 @@ def _module_name(titan_args: list[str]) -> str:
 
 def main(argv: list[str]) -> int:
     opts, titan_args = build_parser().parse_known_args(argv)
-    if opts.all_gloo and not opts.simulate and not os.environ.get("BIMETAL_SIMULATE"):
+    if opts.all_gloo and not opts.simulate and not read_env("BIMETAL_SIMULATE"):
         raise UserError("--all-gloo is a reference for simulated runs; it needs --simulate")
     plan = _read_plan(opts.plan)
     titan_args = _plan_args(plan, titan_args) + titan_args
@@ -144,7 +145,7 @@ def main(argv: list[str]) -> int:
     pp_transport = opts.pp_transport or plan.get("bimetal", {}).get("pp_transport", "cpu-forward")
     if opts.simulate:
         return _launch_simulated(opts, titan_args, split, pp_transport)
-    return run_rank(titan_args, cpu=opts.cpu or bool(os.environ.get("BIMETAL_SIMULATE")), split=split,
+    return run_rank(titan_args, cpu=opts.cpu or bool(read_env("BIMETAL_SIMULATE")), split=split,
                     pp_transport=pp_transport, all_gloo=opts.all_gloo)
 
 

@@ -60,6 +60,8 @@ def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     if args.cmd == "status":
         return _status()
+    if args.cmd in ("up", "run"):
+        load_spec(args.spec, args.id)  # a bad spec is refused before anything else, root or not
     net.require_root()
     if args.cmd == "down":
         if args.all:

@@ -155,3 +155,13 @@ def test_store_exchange_names_the_rank_of_a_bad_record() -> None:
     assert view.vendors == ["nvidia", "amd"] and view[1] == rec
     with pytest.raises(TopologyError, match="rank 2 did not publish"):
         exchange_topology(store, 0, 3, timedelta(seconds=0.2), RankRecord(0, 0, "a", "nvidia", "cpu", 0), prefix="t")
+
+
+def test_unknown_key_in_a_profile_record_is_named_through_plan(tmp_path: Path, capsys) -> None:
+    (tmp_path / "cpu.json").write_text(json.dumps({"achieved_flops": 1e10, "achived_flops": 1e10}))
+    group = ('[[group]]\nvendor = "cpu"\ngpu = "cpu"\ngpus_per_node = 1\nnics_per_node = 1\nnic_gbps = 1.0\n'
+             'intra_gbps = 1.0\nmemory_gb = 4.0\nprofile = "cpu.json"\n')
+    (tmp_path / "lab.toml").write_text(group + group)
+    assert main(["plan", str(tmp_path / "lab.toml"), "--model", "debug"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown key 'achived_flops'" in err and str(tmp_path / "cpu.json") in err and "group[0]" in err, err

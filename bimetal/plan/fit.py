@@ -25,7 +25,9 @@ from typing import Any
 import tomli_w
 
 from bimetal.errors import UserError
+from bimetal.plan.profile import ProfileRecord
 from bimetal.plan.spec import load_spec, parse_spec
+from bimetal.schema import check
 
 
 def _rows(path: str) -> list[dict[str, Any]]:
@@ -58,9 +60,12 @@ def fit_bench_comm(path: str) -> dict[str, float]:
 def fit_profile(path: str) -> dict[str, float]:
     """host_copy_gbps from a `bimetal profile` JSON."""
     try:
-        return {"host_copy_gbps": round(float(json.loads(Path(path).read_text())["copy_gbps"]), 3)}
-    except (OSError, ValueError, KeyError, TypeError) as e:
+        rec = check(ProfileRecord, json.loads(Path(path).read_text()), path)
+        if rec.copy_gbps is None:
+            raise UserError("key 'copy_gbps' is missing")
+    except (OSError, ValueError, UserError) as e:
         raise UserError(f"--profile {path} is not a `bimetal profile` JSON ({e}).") from None
+    return {"host_copy_gbps": round(rec.copy_gbps, 3)}
 
 
 def main(argv: list[str]) -> int:

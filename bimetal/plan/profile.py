@@ -17,11 +17,13 @@ import json
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from bimetal.errors import UserError
 from bimetal.plan import cost
+from bimetal.schema import SHAPE, check
 
 PARTS = ("layer", "embed", "head")
 
@@ -133,31 +135,79 @@ def profile(model: str, seq: int, micro_batch: int, repeats: int = 5, threads: i
             "achieved_flops": flops / (layer["fwd_s"] + layer["bwd_s"])}
 
 
-def read_profile(path: str | Path) -> dict[str, Any]:
-    """A profile with per-part timings; UserError names the file and what is missing."""
-    p = Path(path)
+@dataclass(frozen=True)
+class PartTimes:
+    """Seconds of one part (a layer, the embedding, the head) per micro-batch, and its parameter count."""
+
+    __pydantic_config__ = SHAPE
+
+    fwd_s: float
+    bwd_s: float
+    optim_s: float
+    params: float | None = None
+
+
+@dataclass(frozen=True)
+class ProfileRecord:
+    """A ``bimetal profile`` JSON file; every key optional here, each reader requires the ones it uses."""
+
+    __pydantic_config__ = SHAPE
+
+    model: str | None = None
+    family: str | None = None
+    flavour: str | None = None
+    seq: int | None = None
+    micro_batch: int | None = None
+    device: str | None = None
+    threads: int | None = None
+    parts: dict[str, PartTimes] | None = None
+    boundary_bytes: int | None = None
+    copy_gbps: float | None = None
+    layer_fwd_bwd_s: float | None = None
+    achieved_flops: float | None = None
+    recorded: str | None = None
+    """How and when the file was recorded (a note added by hand to shipped measurements)."""
+
+
+def _read(p: Path, refuse: Callable[[str], UserError]) -> tuple[dict[str, Any], ProfileRecord]:
     try:
         data = json.loads(p.read_text())
-        for part in PARTS:
-            for key in ("fwd_s", "bwd_s", "optim_s"):
-                float(data["parts"][part][key])
-        float(data["copy_gbps"])
-        int(data["seq"]), int(data["micro_batch"])
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise UserError(f"{p} is not a per-part bimetal profile ({type(e).__name__}: {e}); write one with "
-                        "`bimetal profile --model debug --seq S --micro-batch B --out FILE`.") from None
+    except (OSError, ValueError) as e:
+        raise refuse(f"{type(e).__name__}: {e}") from None
+    try:
+        return data, check(ProfileRecord, data, str(p))
+    except UserError as e:
+        raise refuse(str(e)) from None
+
+
+def read_profile(path: str | Path) -> dict[str, Any]:
+    """A profile with per-part timings; UserError names the file and what is missing or unknown."""
+    p = Path(path)
+
+    def refuse(why: str) -> UserError:
+        return UserError(f"{p} is not a per-part bimetal profile ({why}); write one with "
+                         "`bimetal profile --model debug --seq S --micro-batch B --out FILE`.")
+
+    data, rec = _read(p, refuse)
+    for key in ("parts", "copy_gbps", "seq", "micro_batch"):
+        if getattr(rec, key) is None:
+            raise refuse(f"key '{key}' is missing")
+    missing = [part for part in PARTS if part not in (rec.parts or {})]
+    if missing:
+        raise refuse(f"key 'parts.{missing[0]}' is missing")
     return dict(data)
 
 
 def load_profile(path: str, where: str) -> float:
     """Achieved FLOP/s from a profile file; UserError names the file and the spec key on failure."""
-    p = Path(path)
-    try:
-        data = json.loads(p.read_text())
-        return float(data["achieved_flops"])
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise UserError(f"{where}: key 'profile' = {path!r} is not a readable bimetal profile ({e}); "
-                        "write one with `bimetal profile --out FILE`.") from None
+    def refuse(why: str) -> UserError:
+        return UserError(f"{where}: key 'profile' = {path!r} is not a readable bimetal profile ({why}); "
+                         "write one with `bimetal profile --out FILE`.")
+
+    rec = _read(Path(path), refuse)[1]
+    if rec.achieved_flops is None:
+        raise refuse("key 'achieved_flops' is missing")
+    return float(rec.achieved_flops)
 
 
 def profile_main(argv: list[str]) -> int:

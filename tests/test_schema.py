@@ -165,3 +165,16 @@ def test_unknown_key_in_a_profile_record_is_named_through_plan(tmp_path: Path, c
     assert main(["plan", str(tmp_path / "lab.toml"), "--model", "debug"]) == 2
     err = capsys.readouterr().err
     assert "unknown key 'achived_flops'" in err and str(tmp_path / "cpu.json") in err and "group[0]" in err, err
+
+
+def test_poll_gives_none_for_a_rank_that_does_not_report() -> None:
+    import torch.distributed as dist
+
+    from bimetal.topology import store_exchange
+
+    store = dist.HashStore()
+    store_exchange.publish(store, "diag", 1, {"op": "send", "seq": 3})
+    store.set("diag/3", b"\x80pickle")
+    got = store_exchange.poll(store, "diag", [1, 2, 3], timedelta(seconds=0.2),
+                              decode=lambda v, r: (str(v["op"]), int(v["seq"])))
+    assert got == {1: ("send", 3), 2: None, 3: None}

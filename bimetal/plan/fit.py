@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import tomllib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,17 +28,40 @@ import tomli_w
 from bimetal.errors import UserError
 from bimetal.plan.profile import ProfileRecord
 from bimetal.plan.spec import load_spec, parse_spec
-from bimetal.schema import check
+from bimetal.schema import SHAPE, check
+
+
+@dataclass(frozen=True)
+class BenchRow:
+    """One (variant, message size) row of a ``bimetal bench comm`` report."""
+
+    __pydantic_config__ = SHAPE
+
+    variant: str
+    bytes: int
+    median_s: float
+    samples_s: list[float] | None = None
+    gbit_per_s: float | None = None
+
+
+@dataclass(frozen=True)
+class BenchCommReport:
+    """``bench_comm.json`` as ``bimetal bench comm`` writes it (``recorded``: a provenance note added by hand)."""
+
+    __pydantic_config__ = SHAPE
+
+    rows: list[BenchRow]
+    ratios: dict[str, float | dict[str, float]] | None = None  # (median) or {median, q1, q3}; fit reads rows only
+    recorded: str | None = None
 
 
 def _rows(path: str) -> list[dict[str, Any]]:
     try:
-        rows = json.loads(Path(path).read_text())["rows"]
-        return [{"variant": str(r["variant"]), "bytes": int(r["bytes"]), "median_s": float(r["median_s"])}
-                for r in rows]
-    except (OSError, ValueError, KeyError, TypeError) as e:
+        report = check(BenchCommReport, json.loads(Path(path).read_text()), path)
+    except (OSError, ValueError, UserError) as e:
         raise UserError(f"--bench-comm {path} is not a `bimetal bench comm` JSON ({e}); run `bimetal bench comm "
                         "--out DIR` and pass DIR/bench_comm.json.") from None
+    return [{"variant": r.variant, "bytes": r.bytes, "median_s": r.median_s} for r in report.rows]
 
 
 def fit_bench_comm(path: str) -> dict[str, float]:

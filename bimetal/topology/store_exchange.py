@@ -16,6 +16,8 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
+from bimetal.errors import UserError
+
 T = TypeVar("T")
 T_K = TypeVar("T_K", int, str)
 
@@ -72,3 +74,18 @@ def exchange(store: dist.Store, prefix: str, rank: int, value: Any, ranks: Itera
     listed)."""
     publish(store, prefix, rank, value)
     return gather(store, prefix, ranks, timeout, decode, missing, not_json)
+
+
+def poll(store: dist.Store, prefix: str, ranks: Iterable[int], wait: timedelta,
+         decode: Callable[[Any, int], T] = _no_decode) -> dict[int, T | None]:  # type: ignore[assignment]
+    """Best effort, for diagnostics after a failure: each of ``ranks``' records if it appears within ``wait``
+    (the store's own timeout is left as it is), else None, as it is for a record that is not JSON or that
+    ``decode`` refuses (``ValueError``, ``KeyError``, ``TypeError`` or ``UserError``)."""
+    out: dict[int, T | None] = {}
+    for r in ranks:
+        try:
+            store.wait([key_of(prefix, r)], wait)
+            out[r] = decode(json.loads(store.get(key_of(prefix, r))), r)
+        except (RuntimeError, dist.DistStoreError, ValueError, KeyError, TypeError, UserError):
+            out[r] = None
+    return out

@@ -53,11 +53,6 @@ class Problem:
     want: str = "value"
     """The kind of value the key takes: ``int``, ``float``, ``str``, ``bool``, ``list``, a table's class name."""
 
-    @property
-    def leaf(self) -> str:
-        """The last name of ``key`` (``gpudirect`` of ``group[0].gpudirect``)."""
-        return self.key.rsplit(".", 1)[-1]
-
 
 def default_explain(source: str) -> Callable[[Problem], str]:
     """Sentences of the form ``<source>: unknown key 'k'; known keys: ...``."""
@@ -176,16 +171,6 @@ def check(schema: type[T], data: Any, source: str, explain: Callable[[Problem], 
         return typing.cast(T, _adapter(typing.cast(Hashable, schema)).validate_json(text, strict=True))
     except pydantic.ValidationError as exc:
         raise UserError((explain or default_explain(source))(problem_of(schema, exc))) from None
-
-
-def check_json(schema: type[T], text: str | bytes, source: str,
-               explain: Callable[[Problem], str] | None = None) -> T:
-    """Like ``check`` for JSON text; text that is not JSON is refused naming ``source``."""
-    try:
-        data = json.loads(text)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise UserError(f"{source} is not valid JSON ({exc}).") from None
-    return check(schema, data, source, explain)
 
 
 def read_toml(path: str | Path, missing: str, invalid: str) -> dict[str, Any]:

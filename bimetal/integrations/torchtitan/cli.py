@@ -19,6 +19,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from bimetal import transports
 from bimetal.env import read as read_env
 from bimetal.errors import UserError
 from bimetal.integrations.torchtitan.split import module_fqns_per_model_part, parse_split
@@ -28,8 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bimetal titan", description=__doc__.splitlines()[0], add_help=True)
     p.add_argument("--simulate", help="simulated vendors by global rank, e.g. nvidia:2,amd:2 (CPU, this machine)")
     p.add_argument("--cpu", action="store_true", help="install the CPU stand-ins without simulating (one rank)")
-    p.add_argument("--pp-transport", choices=("cpu-forward", "device-direct"),
-                   help="transport of pp groups that span vendors (default: cpu-forward, or the --plan file's)")
+    p.add_argument("--pp-transport", choices=transports.BIMETAL,
+                   help=f"transport of pp groups that span vendors (default: {transports.DEFAULT}, "
+                        "or the --plan file's)")
     p.add_argument("--layers-per-stage", help="uneven layer split, one count per pipeline rank, e.g. 4,2")
     p.add_argument("--plan", help="a `bimetal plan --write-titan` file: torchtitan overrides and the split")
     p.add_argument("--all-gloo", action="store_true",
@@ -142,7 +144,7 @@ def main(argv: list[str]) -> int:
     split = parse_split(opts.layers_per_stage) if opts.layers_per_stage else None
     if split is None and plan.get("bimetal", {}).get("layers_per_stage"):
         split = [int(x) for x in plan["bimetal"]["layers_per_stage"]]
-    pp_transport = opts.pp_transport or plan.get("bimetal", {}).get("pp_transport", "cpu-forward")
+    pp_transport = opts.pp_transport or plan.get("bimetal", {}).get("pp_transport", transports.DEFAULT)
     if opts.simulate:
         return _launch_simulated(opts, titan_args, split, pp_transport)
     return run_rank(titan_args, cpu=opts.cpu or bool(read_env("BIMETAL_SIMULATE")), split=split,

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from bimetal.errors import UserError
 from bimetal.parallel.groups import GroupSpec, classify, format_group_table, native_backend
-from bimetal.transports import BIMETAL, TRANSPORTS
+from bimetal.transports import BIMETAL, DEFAULT, TRANSPORTS
 
 CROSS_VENDOR_DIMS = ("pp",)
 """Mesh dimensions that may span vendors (on a bimetal transport); every other one must not."""
@@ -51,7 +51,7 @@ class MeshBackends:
 
     vendors: list[str]
     """Vendor of every global rank."""
-    pp_transport: str = "cpu-forward"
+    pp_transport: str = DEFAULT
     """Transport of pp groups that span vendors: ``cpu-forward`` or ``device-direct``."""
     simulated: bool = True
     all_gloo: bool = False

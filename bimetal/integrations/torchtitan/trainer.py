@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torchtitan.distributed import ParallelDims
 from torchtitan.trainer import Trainer
 
+from bimetal import transports
 from bimetal.comm.registry import CPU_FORWARD, register_backends
 from bimetal.integrations.torchtitan import cpu_support
 from bimetal.integrations.torchtitan._torch_hooks import mesh_backends
@@ -40,7 +41,7 @@ from bimetal.topology.vendor import detect_vendor, is_simulated
 class BimetalOptions:
     """What ``bimetal titan`` adds to a torchtitan job."""
 
-    pp_transport: str = "cpu-forward"
+    pp_transport: str = transports.DEFAULT
     """Transport of cross-vendor pp groups: ``cpu-forward`` or ``device-direct``."""
     all_gloo: bool = False
     """Reference run: every group on plain Gloo, no vendor rules (simulation only)."""

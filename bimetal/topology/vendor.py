@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from types import ModuleType
 
+from bimetal.env import read as read_env
 from bimetal.errors import UserError
 
 VENDORS = ("nvidia", "amd", "cpu")
@@ -54,20 +55,19 @@ def hardware_vendor(torch_module: ModuleType | None = None) -> str:
 
 def simulated_vendor(rank: int | None = None, env: dict[str, str] | None = None) -> str | None:
     """The simulated vendor of ``rank`` (default: ``$RANK``), or None when not simulating."""
-    env = dict(os.environ) if env is None else env
-    if env.get(VENDOR_ENV):
-        vendor = env[VENDOR_ENV]
+    vendor = read_env(VENDOR_ENV, env)
+    if vendor:
         if vendor not in SIMULATED_VENDORS:
             raise SimulationSpecError(
                 f"{VENDOR_ENV}={vendor!r} is not a vendor; use one of {', '.join(SIMULATED_VENDORS)}"
             )
         return vendor
-    spec = env.get(SIMULATE_ENV)
+    spec = read_env(SIMULATE_ENV, env)
     if not spec:
         return None
     vendors = parse_simulate(spec)
     if rank is None:
-        rank = int(env.get("RANK", "0"))
+        rank = int((os.environ if env is None else env).get("RANK", "0"))
     if not 0 <= rank < len(vendors):
         raise SimulationSpecError(
             f"rank {rank} is outside the simulated cluster {spec!r} of {len(vendors)} ranks; "
@@ -77,8 +77,7 @@ def simulated_vendor(rank: int | None = None, env: dict[str, str] | None = None)
 
 
 def is_simulated(env: dict[str, str] | None = None) -> bool:
-    env = dict(os.environ) if env is None else env
-    return bool(env.get(VENDOR_ENV) or env.get(SIMULATE_ENV))
+    return bool(read_env(VENDOR_ENV, env) or read_env(SIMULATE_ENV, env))
 
 
 def detect_vendor(rank: int | None = None, torch_module: ModuleType | None = None) -> str:

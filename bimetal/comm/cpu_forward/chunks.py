@@ -7,10 +7,19 @@ from __future__ import annotations
 
 from collections import deque
 from datetime import timedelta
+from typing import Protocol
 
 import torch
 
 from bimetal.comm.staging import PinnedPool, copy_to_device, copy_to_host
+
+
+class ChunkIO(Protocol):
+    """Where chunk j's bytes come from (send) or go (receive); ``release`` after its op completed or was lost."""
+
+    def buffer(self, j: int) -> torch.Tensor: ...
+
+    def release(self, j: int, buf: torch.Tensor, ok: bool) -> None: ...
 
 
 class HostChunks:

@@ -20,10 +20,10 @@ from bimetal.comm.staging import after, copy_to_device, copy_to_host
 def send_staged(pg: Any, tensor: torch.Tensor, dst: int, tag: int, first: int, d: Deadline,
                  ready: object | None = None) -> None:
     flat = tensor.detach().reshape(-1)
-    d2h, _ = pg._streams.pair(tensor.device)
+    d2h, _ = pg.streams.pair(tensor.device)
     after(d2h, ready)
-    plan = pg._plan(flat.numel(), flat.element_size(), first)
-    size, depth = pg._pool_numel(flat), pg._depth()
+    plan = pg.plan(flat.numel(), flat.element_size(), first)
+    size, depth = pg.pool_numel(flat), pg.depth()
     copies: deque[tuple[int, int, int, torch.Tensor, object]] = deque()  # D2H queued, not yet sent
     inflight: deque[tuple[dist.Work, torch.Tensor]] = deque()  # posted to Gloo
     nxt = 0
@@ -59,11 +59,11 @@ def send_staged(pg: Any, tensor: torch.Tensor, dst: int, tag: int, first: int, d
 def recv_staged(pg: Any, tensor: torch.Tensor, src: int, tag: int, first: int, d: Deadline,
                  ready: object | None = None) -> None:
     out = tensor.detach().view(-1) if tensor.is_contiguous() else torch.empty_like(tensor).view(-1)
-    _, h2d = pg._streams.pair(tensor.device)
+    _, h2d = pg.streams.pair(tensor.device)
     after(h2d, ready)
-    plan = pg._plan(out.numel(), out.element_size(), first)
-    size = pg._pool_numel(out)
-    depth = pg._depth()
+    plan = pg.plan(out.numel(), out.element_size(), first)
+    size = pg.pool_numel(out)
+    depth = pg.depth()
     posted: deque[tuple[int, int, dist.Work, torch.Tensor]] = deque()
     copying: deque[tuple[object, torch.Tensor]] = deque()
     nxt = 0

@@ -80,7 +80,12 @@ def _send_failover(pg: CpuForwardProcessGroup, tensor: torch.Tensor, dst: int, t
         stream = pg.streams.pair(flat.device)[0]
         after(stream, ready)
         t, ranges = pg.failover.transfer(key, tag, turn, flat, d, pg.depth())
-        t.send(StagedSend(flat, ranges, pg.pool, stream, pg.timeout, pg.pool_numel(flat)))
+        io = StagedSend(flat, ranges, pg.pool, stream, pg.timeout, pg.pool_numel(flat), [j for j, _ in t.plan],
+                        pg.depth())
+        try:
+            t.send(io)
+        finally:
+            io.close()
         pg.failover.settled(key, t)
         pg.counters.add(bytes_sent=flat.numel() * flat.element_size(), bytes_staged=flat.numel() * flat.element_size())
         return

@@ -1,94 +1,81 @@
-"""Point-to-point of one stripe on staged tensors (device tensors, or CPU ones with staging forced): the chunks
-go through the pinned pool, the device-to-host copies of later chunks running while earlier ones are on the
-wire (send), each arrival copied to the device while later chunks still arrive (receive). A transfer never
-waits for the pool while it holds buffers that free by themselves, so a send and a receive in flight at once
-cannot starve each other. ``pg`` is the ``CpuForwardProcessGroup``.
+"""Point-to-point of one stripe on staged tensors (device tensors, or CPU ones with staging forced): the chunk I/O
+of ``chunks`` (the same staged sources and sinks failover uses with K stripes) driven in order by ``pump``,
+``depth`` chunks on the wire, the device-to-host copies of later chunks queued while earlier ones are on the wire
+(send), each arrival copied to the device while later chunks still arrive (receive). ``pg`` is the
+``CpuForwardProcessGroup``.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 
+from bimetal.comm.cpu_forward.chunks import StagedRecv, StagedSend
 from bimetal.comm.cpu_forward.work import Deadline
-from bimetal.comm.staging import after, copy_to_device, copy_to_host
+from bimetal.comm.staging import after
+
+if TYPE_CHECKING:
+    from bimetal.comm.cpu_forward.pg import CpuForwardProcessGroup
 
 
-def send_staged(pg: Any, tensor: torch.Tensor, dst: int, tag: int, first: int, d: Deadline,
-                 ready: object | None = None) -> None:
+def pump(io: StagedSend | StagedRecv, plan: list[tuple[int, int]], post: Callable[[int, torch.Tensor], Any],
+         d: Deadline, depth: int) -> None:
+    """Post the chunks of ``plan`` ((chunk, stripe), in order) with ``post(stripe, buffer)``, at most ``depth`` in
+    flight, each released to ``io`` once its op completed. Never waits for the pool while holding chunks on
+    the wire: it waits for the oldest of them instead."""
+    inflight: deque[tuple[Any, int, torch.Tensor]] = deque()
+
+    def retire() -> None:
+        work, j, buf = inflight.popleft()
+        d.wait(work)
+        io.release(j, buf, True)
+
+    for j, s in plan:
+        if len(inflight) >= depth:
+            retire()
+        buf = io.try_buffer(j)
+        while buf is None and inflight:
+            retire()
+            buf = io.try_buffer(j)
+        if buf is None:  # nothing of ours on the wire: wait for the pool
+            buf = io.buffer(j)
+        inflight.append((post(s, buf), j, buf))
+    while inflight:
+        retire()
+
+
+def send_staged(pg: CpuForwardProcessGroup, tensor: torch.Tensor, dst: int, tag: int, first: int, d: Deadline,
+                ready: object | None = None) -> None:
     flat = tensor.detach().reshape(-1)
     d2h, _ = pg.streams.pair(tensor.device)
     after(d2h, ready)
     plan = pg.plan(flat.numel(), flat.element_size(), first)
-    size, depth = pg.pool_numel(flat), pg.depth()
-    copies: deque[tuple[int, int, int, torch.Tensor, object]] = deque()  # D2H queued, not yet sent
-    inflight: deque[tuple[dist.Work, torch.Tensor]] = deque()  # posted to Gloo
-    nxt = 0
-
-    def queue_copy(buf: torch.Tensor) -> None:
-        nonlocal nxt
-        a, b, s = plan[nxt]
-        copies.append((a, b, s, buf, copy_to_host(flat[a:b], buf[:b - a], d2h)))
-        nxt += 1
-
-    while nxt < len(plan) and len(copies) < depth:  # the GPU copies ahead while the network sends
-        got = pg.pool.try_take(flat.dtype, size)
-        if got is None and copies:  # the pool is busy (other transfers): go on with what we hold
-            break
-        queue_copy(got if got is not None else pg.pool.take(flat.dtype, size, pg.timeout))
-    while copies:
-        a, b, s, buf, event = copies.popleft()
-        event.synchronize()  # type: ignore[attr-defined]
-        inflight.append((pg.stripes[s].send([buf[:b - a]], dst, tag), buf))
-        if nxt < len(plan):  # keep `depth` chunks on the wire; else reuse the oldest sent buffer
-            got = pg.pool.try_take(flat.dtype, size) if len(inflight) < depth else None
-            if got is None:  # never wait for the pool while holding buffers that free by themselves
-                w, got = inflight.popleft()
-                d.wait(w)
-            queue_copy(got)
-    while inflight:
-        w, buf = inflight.popleft()
-        d.wait(w)
-        pg.pool.give(buf)
+    depth = pg.depth()
+    io = StagedSend(flat, [(a, b) for a, b, _ in plan], pg.pool, d2h, pg.timeout, pg.pool_numel(flat),
+                    list(range(len(plan))), depth)
+    try:
+        pump(io, [(j, s) for j, (_, _, s) in enumerate(plan)], lambda s, buf: pg.stripes[s].send([buf], dst, tag),
+             d, depth)
+    finally:
+        io.close()
     nbytes = flat.numel() * flat.element_size()
     pg.counters.add(bytes_sent=nbytes, bytes_staged=nbytes)
 
-def recv_staged(pg: Any, tensor: torch.Tensor, src: int, tag: int, first: int, d: Deadline,
-                 ready: object | None = None) -> None:
+
+def recv_staged(pg: CpuForwardProcessGroup, tensor: torch.Tensor, src: int, tag: int, first: int, d: Deadline,
+                ready: object | None = None) -> None:
     out = tensor.detach().view(-1) if tensor.is_contiguous() else torch.empty_like(tensor).view(-1)
     _, h2d = pg.streams.pair(tensor.device)
     after(h2d, ready)
     plan = pg.plan(out.numel(), out.element_size(), first)
-    size = pg.pool_numel(out)
     depth = pg.depth()
-    posted: deque[tuple[int, int, dist.Work, torch.Tensor]] = deque()
-    copying: deque[tuple[object, torch.Tensor]] = deque()
-    nxt = 0
-    while nxt < len(plan) or posted:
-        while nxt < len(plan) and len(posted) < depth:  # keep several chunks arriving
-            a, b, s = plan[nxt]
-            got = pg.pool.try_take(out.dtype, size)
-            if got is None and copying:  # reuse our oldest buffer rather than wait for the pool
-                event, got = copying.popleft()
-                event.synchronize()  # type: ignore[attr-defined]
-            elif got is None and posted:  # the pool is busy: go on with what we hold
-                break
-            buf = got if got is not None else pg.pool.take(out.dtype, size, pg.timeout)
-            posted.append((a, b, pg.stripes[s].recv([buf[:b - a]], src, tag), buf))
-            nxt += 1
-        a, b, w, buf = posted.popleft()
-        d.wait(w)
-        copying.append((copy_to_device(buf[:b - a], out[a:b], h2d), buf))
-        while len(copying) > depth:
-            event, old = copying.popleft()
-            event.synchronize()  # type: ignore[attr-defined]
-            pg.pool.give(old)
-    for event, buf in copying:
-        event.synchronize()  # type: ignore[attr-defined]
-        pg.pool.give(buf)
+    io = StagedRecv(out, [(a, b) for a, b, _ in plan], pg.pool, h2d, pg.timeout, depth, pg.pool_numel(out))
+    pump(io, [(j, s) for j, (_, _, s) in enumerate(plan)], lambda s, buf: pg.stripes[s].recv([buf], src, tag),
+         d, depth)
+    io.finish()
     if not tensor.is_contiguous():
         tensor.detach().copy_(out.view(tensor.shape))
     nbytes = out.numel() * out.element_size()

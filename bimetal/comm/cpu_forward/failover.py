@@ -1,13 +1,14 @@
 """Stripe failover for cpu-forward point-to-point transfers: when one stripe of a message stalls or fails,
 its chunks are re-sent on the stripes that still work, and the stripe is left for the rest of the group's life.
 
-Used when a group has K > 1 stripes (one stripe keeps the plain path of ``pg.py``: nothing to fail over to).
+Used when a group has K > 1 stripes (one stripe keeps the plain paths of ``p2p`` and ``pipeline``: nothing to fail
+over to). ``Failover`` is a group's failover state; ``Transfer`` one message; the stripes' liveness is ``links``, the
+status message ``status``, the chunks' bytes come from and go to the chunk I/O of ``chunks``.
 
 Protocol. Round 0 follows the plan both sides compute (``striping.chunk_plan``: stripe shares by bytes, with
 the weights the previous transfer's final status agreed on, see ``balance``); each side skips the stripes
 it already holds dead. When the receiver has seen every chunk it posted arrive or get lost
-with its stripe, it sends a *status* on every stripe it holds alive: a fixed-layout int64 tensor
-``[magic, transfer number, round, flags, dead-stripe mask, missing count, bitmap of missing chunks]`` (no
+with its stripe, it sends a *status* on every stripe it holds alive: a fixed-layout int64 tensor (``status``, no
 pickle). The sender waits for it on every stripe it holds alive, kills the stripes the mask names, and
 re-sends the missing chunks: the i-th missing chunk on the (i mod n)-th of the n stripes the mask leaves
 alive. Both sides derive that assignment from the one message, so they never disagree on which chunk rides

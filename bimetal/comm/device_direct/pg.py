@@ -14,7 +14,6 @@ import atexit
 import json
 import threading
 import weakref
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -23,36 +22,13 @@ import torch.distributed as dist
 
 from bimetal.comm.base import BimetalProcessGroup, OpRecord, TransportError, check_dtype, completed_work, make_work
 from bimetal.comm.device_direct.engine import Engine
+from bimetal.comm.device_direct.options import DeviceDirectSettings
 from bimetal.comm.device_direct.proxy import Proxy
 
 _BCAST_TAG, _REDUCE_TAG, _BARRIER_TAG = -1, -2, -3  # user tags are >= 0, so collectives never steal a message
 _REDUCE = {dist.ReduceOp.SUM: torch.Tensor.add_, dist.ReduceOp.AVG: torch.Tensor.add_,
            dist.ReduceOp.MAX: lambda a, b: torch.maximum(a, b, out=a), dist.ReduceOp.MIN: lambda a, b: torch.minimum(
                a, b, out=a), dist.ReduceOp.PRODUCT: torch.Tensor.mul_}
-
-
-@dataclass(frozen=True)
-class DeviceDirectOptions:
-    """Knobs of the device-direct transport (pg_options keys, else ``BIMETAL_DD_*`` env vars)."""
-
-    host: str
-    """Address this rank's engine listens on (``BIMETAL_DD_HOST``; default: NIC ``LOCAL_RANK`` of the host, else the
-    first NIC, else loopback)."""
-    protocol: str = "auto"
-    """``rdma``, ``tcp`` or ``auto`` (RDMA where verbs devices exist)."""
-    engine: str = "mooncake"
-    """Which transfer engine adapter (``engine.ENGINES``)."""
-    chunk_bytes: int = 4 << 20
-    """Receive-slot size = the eager limit = the rendezvous write size."""
-    slots: int = 8
-    """Receive slots (credits) per peer."""
-    window: int = 16
-    """Rendezvous writes in flight per message (Mooncake's TCP transport spreads them over its connection
-    lanes to the peer, ``MC_TCP_LANES_PER_PEER``, 4 by default)."""
-    inline_bytes: int = 16 << 10
-    """Host-tensor messages up to this size ride inside the control note (0: never)."""
-    fallback: str = "error"
-    """When the engine cannot start: ``error`` (fail with the reason) or ``cpu-forward`` (warn and use it)."""
 
 
 def _publish(store: dist.Store, rank: int, record: dict[str, Any]) -> None:
@@ -85,7 +61,7 @@ class DeviceDirectProcessGroup(BimetalProcessGroup):
     backend_name = "bimetal_device_direct"
 
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta, global_ranks: list[int],
-                 engine: Engine, opts: DeviceDirectOptions, device: torch.device) -> None:
+                 engine: Engine, opts: DeviceDirectSettings, device: torch.device) -> None:
         super().__init__(rank, size, timeout, global_ranks)
         self.engine_name, self.protocol = engine.name, engine.protocol
         self.proxy = Proxy(engine, rank, self.global_ranks, opts.chunk_bytes, opts.slots, opts.window,

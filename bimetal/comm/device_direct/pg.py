@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from bimetal.comm.base import BimetalProcessGroup, OpRecord, TransportError, check_dtype, completed_work, make_work
 from bimetal.comm.device_direct.engine import Engine
+from bimetal.comm.device_direct.notes import check_record
 from bimetal.comm.device_direct.options import DeviceDirectSettings
 from bimetal.comm.device_direct.proxy import Proxy
 
@@ -36,23 +37,7 @@ def _publish(store: dist.Store, rank: int, record: dict[str, Any]) -> None:
 
 
 def _read(store: dist.Store, peer: int) -> dict[str, Any]:
-    record = json.loads(store.get(f"bimetal_dd/{peer}"))
-    if not isinstance(record, dict) or not isinstance(record.get("ok"), bool):
-        raise TransportError(f"malformed device-direct record from group rank {peer}: {record!r}")
-    if record["ok"]:
-        pools, ep = record.get("pools"), record.get("endpoint")
-        shape = (record.get("chunk_bytes"), record.get("slots"))
-        control = record.get("control")
-        if not isinstance(control, dict) or not isinstance(control.get("host"), str) or not isinstance(
-                control.get("port"), int) or not isinstance(control.get("token"), str):
-            raise TransportError(f"malformed device-direct control address from group rank {peer}: {control!r}")
-        if not isinstance(ep, dict) or not isinstance(pools, dict) or not all(isinstance(v, int) for v in shape):
-            raise TransportError(f"malformed device-direct record from group rank {peer}: {record!r}")
-        if not all(k.isdigit() and isinstance(v, int) and v > 0 for k, v in pools.items()):
-            raise TransportError(f"malformed receive-pool addresses from group rank {peer}: {pools!r}")
-    elif not isinstance(record.get("reason"), str):
-        raise TransportError(f"malformed device-direct record from group rank {peer}: {record!r}")
-    return record
+    return check_record(peer, json.loads(store.get(f"bimetal_dd/{peer}")))
 
 
 class DeviceDirectProcessGroup(BimetalProcessGroup):
@@ -187,12 +172,7 @@ class DeviceDirectProcessGroup(BimetalProcessGroup):
         """The base counters with the proxy's staged/direct split (staging happens only where the engine or a
         CPU receive pool bounces GPU memory through the host; on RDMA, or on CPU tensors, it is 0)."""
         stats = self.counters.snapshot()
-        stats["bytes_staged"] = self.proxy.staged_bytes
-        stats["bytes_direct"] = self.proxy.direct_bytes
-        stats["landing_copy_bytes"] = self.proxy.landing_copy_bytes
-        stats["bytes_inline_sent"] = self.proxy.inline_sent_bytes
-        stats["bytes_inline_received"] = self.proxy.inline_received_bytes
-        stats["control_notes_sent"] = self.proxy.notes_sent
+        stats.update(self.proxy.counters.stats())
         return stats
 
     @property

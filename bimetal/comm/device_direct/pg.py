@@ -14,15 +14,16 @@ import atexit
 import json
 import threading
 import weakref
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from bimetal.comm.base import BimetalProcessGroup, OpRecord, TransportError, check_dtype, completed_work, make_work
+from bimetal.comm.base import BimetalProcessGroup, OpRecord, TransportError, completed_work, make_work
 from bimetal.comm.device_direct.engine import Engine
+from bimetal.comm.device_direct.notes import check_record
+from bimetal.comm.device_direct.options import DeviceDirectSettings
 from bimetal.comm.device_direct.proxy import Proxy
 
 _BCAST_TAG, _REDUCE_TAG, _BARRIER_TAG = -1, -2, -3  # user tags are >= 0, so collectives never steal a message
@@ -31,52 +32,12 @@ _REDUCE = {dist.ReduceOp.SUM: torch.Tensor.add_, dist.ReduceOp.AVG: torch.Tensor
                a, b, out=a), dist.ReduceOp.PRODUCT: torch.Tensor.mul_}
 
 
-@dataclass(frozen=True)
-class DeviceDirectOptions:
-    """Knobs of the device-direct transport (pg_options keys, else ``BIMETAL_DD_*`` env vars)."""
-
-    host: str
-    """Address this rank's engine listens on (``BIMETAL_DD_HOST``; default: NIC ``LOCAL_RANK`` of the host, else the
-    first NIC, else loopback)."""
-    protocol: str = "auto"
-    """``rdma``, ``tcp`` or ``auto`` (RDMA where verbs devices exist)."""
-    engine: str = "mooncake"
-    """Which transfer engine adapter (``engine.ENGINES``)."""
-    chunk_bytes: int = 4 << 20
-    """Receive-slot size = the eager limit = the rendezvous write size."""
-    slots: int = 8
-    """Receive slots (credits) per peer."""
-    window: int = 16
-    """Rendezvous writes in flight per message (Mooncake's TCP transport spreads them over its connection
-    lanes to the peer, ``MC_TCP_LANES_PER_PEER``, 4 by default)."""
-    inline_bytes: int = 16 << 10
-    """Host-tensor messages up to this size ride inside the control note (0: never)."""
-    fallback: str = "error"
-    """When the engine cannot start: ``error`` (fail with the reason) or ``cpu-forward`` (warn and use it)."""
-
-
 def _publish(store: dist.Store, rank: int, record: dict[str, Any]) -> None:
     store.set(f"bimetal_dd/{rank}", json.dumps(record))
 
 
 def _read(store: dist.Store, peer: int) -> dict[str, Any]:
-    record = json.loads(store.get(f"bimetal_dd/{peer}"))
-    if not isinstance(record, dict) or not isinstance(record.get("ok"), bool):
-        raise TransportError(f"malformed device-direct record from group rank {peer}: {record!r}")
-    if record["ok"]:
-        pools, ep = record.get("pools"), record.get("endpoint")
-        shape = (record.get("chunk_bytes"), record.get("slots"))
-        control = record.get("control")
-        if not isinstance(control, dict) or not isinstance(control.get("host"), str) or not isinstance(
-                control.get("port"), int) or not isinstance(control.get("token"), str):
-            raise TransportError(f"malformed device-direct control address from group rank {peer}: {control!r}")
-        if not isinstance(ep, dict) or not isinstance(pools, dict) or not all(isinstance(v, int) for v in shape):
-            raise TransportError(f"malformed device-direct record from group rank {peer}: {record!r}")
-        if not all(k.isdigit() and isinstance(v, int) and v > 0 for k, v in pools.items()):
-            raise TransportError(f"malformed receive-pool addresses from group rank {peer}: {pools!r}")
-    elif not isinstance(record.get("reason"), str):
-        raise TransportError(f"malformed device-direct record from group rank {peer}: {record!r}")
-    return record
+    return check_record(peer, json.loads(store.get(f"bimetal_dd/{peer}")))
 
 
 class DeviceDirectProcessGroup(BimetalProcessGroup):
@@ -85,7 +46,7 @@ class DeviceDirectProcessGroup(BimetalProcessGroup):
     backend_name = "bimetal_device_direct"
 
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta, global_ranks: list[int],
-                 engine: Engine, opts: DeviceDirectOptions, device: torch.device) -> None:
+                 engine: Engine, opts: DeviceDirectSettings, device: torch.device) -> None:
         super().__init__(rank, size, timeout, global_ranks)
         self.engine_name, self.protocol = engine.name, engine.protocol
         self.proxy = Proxy(engine, rank, self.global_ranks, opts.chunk_bytes, opts.slots, opts.window,
@@ -119,12 +80,10 @@ class DeviceDirectProcessGroup(BimetalProcessGroup):
 
     # -- point to point -----------------------------------------------------------------------------------
 
-    def _p2p(self, kind: str, tensors: list[torch.Tensor], peer: int, tag: int) -> dist.Work:
-        rec = self._begin(kind, peer)
+    def _p2p(self, rec: OpRecord, kind: str, tensors: list[torch.Tensor], peer: int, tag: int) -> dist.Work:
         if len(tensors) != 1:
             raise self.unsupported(kind, f"{len(tensors)} tensors (exactly one is supported)")
         (tensor,) = tensors
-        check_dtype(rec, tensor)
         if not 0 <= peer < self._size or peer == self._rank:
             raise TransportError(f"{rec.describe()}: peer must be another group rank (0..{self._size - 1})")
         if not tensor.is_contiguous():
@@ -145,11 +104,12 @@ class DeviceDirectProcessGroup(BimetalProcessGroup):
 
         return fut.then(account)
 
-    def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int = 0) -> dist.Work:  # noqa: N803
-        return self._p2p("send", tensors, dstRank, tag)
+    # (the base's template method has begun the op and checked the dtypes: ``bimetal.comm.base``)
+    def _do_send(self, rec: OpRecord, tensors: list[torch.Tensor], peer: int, tag: int) -> dist.Work:
+        return self._p2p(rec, "send", tensors, peer, tag)
 
-    def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int = 0) -> dist.Work:  # noqa: N803
-        return self._p2p("recv", tensors, srcRank, tag)
+    def _do_recv(self, rec: OpRecord, tensors: list[torch.Tensor], peer: int, tag: int) -> dist.Work:
+        return self._p2p(rec, "recv", tensors, peer, tag)
 
     # -- the few collectives a pp group sees, over point to point -------------------------------------------
 
@@ -157,12 +117,10 @@ class DeviceDirectProcessGroup(BimetalProcessGroup):
         for f in futs:
             f.wait()
 
-    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:  # type: ignore[override]
-        rec = self._begin("broadcast")
+    def _do_broadcast(self, rec: OpRecord, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
         root = getattr(opts, "rootRank", 0)
         with self._lock:
             for t in tensors:
-                check_dtype(rec, t)
                 if self._rank == root:
                     self._wait(rec, [self._submit(rec, "send", t, p, _BCAST_TAG) for p in range(self._size)
                                      if p != root])
@@ -170,15 +128,13 @@ class DeviceDirectProcessGroup(BimetalProcessGroup):
                     self._wait(rec, [self._submit(rec, "recv", t, root, _BCAST_TAG)])
         return completed_work(tensors)
 
-    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:  # type: ignore[override]
-        rec = self._begin("allreduce")
+    def _do_allreduce(self, rec: OpRecord, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
         op = getattr(opts, "reduceOp", dist.ReduceOp.SUM)
         reduce = next((fn for k, fn in _REDUCE.items() if op == k), None)
         if reduce is None:
-            raise self.unsupported("allreduce", f"reduce op {op}")
+            raise self.unsupported("all_reduce", f"reduce op {op}")
         with self._lock:
             for t in tensors:
-                check_dtype(rec, t)
                 if self._rank == 0:  # gather to group rank 0 in rank order (deterministic), reduce, send back
                     parts = [torch.empty_like(t) for _ in range(1, self._size)]
                     self._wait(rec, [self._submit(rec, "recv", b, p + 1, _REDUCE_TAG) for p, b in enumerate(parts)])
@@ -192,9 +148,8 @@ class DeviceDirectProcessGroup(BimetalProcessGroup):
                     self._wait(rec, [self._submit(rec, "recv", t, 0, _REDUCE_TAG)])
         return completed_work(tensors)
 
-    def barrier(self, opts: Any = None) -> dist.Work:
+    def _do_barrier(self, rec: OpRecord, opts: Any) -> dist.Work:
         token = torch.zeros(1, dtype=torch.int32, device=self.proxy.device)
-        rec = self._begin("barrier")
         with self._lock:
             if self._rank == 0:
                 self._wait(rec, [self._submit(rec, "recv", torch.empty_like(token), p, _BARRIER_TAG)
@@ -211,12 +166,7 @@ class DeviceDirectProcessGroup(BimetalProcessGroup):
         """The base counters with the proxy's staged/direct split (staging happens only where the engine or a
         CPU receive pool bounces GPU memory through the host; on RDMA, or on CPU tensors, it is 0)."""
         stats = self.counters.snapshot()
-        stats["bytes_staged"] = self.proxy.staged_bytes
-        stats["bytes_direct"] = self.proxy.direct_bytes
-        stats["landing_copy_bytes"] = self.proxy.landing_copy_bytes
-        stats["bytes_inline_sent"] = self.proxy.inline_sent_bytes
-        stats["bytes_inline_received"] = self.proxy.inline_received_bytes
-        stats["control_notes_sent"] = self.proxy.notes_sent
+        stats.update(self.proxy.counters.stats())
         return stats
 
     @property

@@ -34,7 +34,7 @@ def _integer(least: int, most: int | None = None) -> Check:
 
 def _size(least: int) -> Check:
     def check(name: str, raw: str) -> None:
-        from bimetal.comm.bench import parse_size
+        from bimetal.sizes import parse_size
 
         try:
             value = parse_size(raw)

@@ -7,7 +7,7 @@ No matching, no credits, no per-message registration, no thread hand-off. Side b
 ``device-direct`` in one run it separates what the engine costs from what our control plane adds, e.g. to
 show that a bandwidth gap to Gloo on loopback is the CPU TCP engine's, not the proxy's.
 
-``python -m bimetal.comm.device_direct.bench [bench comm options]`` is ``bimetal bench comm`` with the
+``python -m bimetal.bench.engine [bench comm options]`` is ``bimetal bench comm`` with the
 device-direct rows (gloo, cpu-forward x1, device-direct, dd-engine at 4 KiB and 64 MiB unless told otherwise).
 """
 
@@ -85,7 +85,7 @@ class EngineOnly:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bimetal.comm.bench import main as bench_main
+    from bimetal.bench.comm import main as bench_main
 
     args = list(sys.argv[1:] if argv is None else argv)
     if not any(a.startswith("--transports") for a in args):

@@ -6,7 +6,7 @@ whose stripes are bound to eth0..eth{k-1}. Sizes and counts run interleaved insi
 elsewhere hits them alike, and the scaling ratio ``bw(k) / (k x bw(1))`` is taken per repeat (paired) and
 reported as its median and range (the issue asks >= 0.95 at 64 MiB and >= 0.9 at 16 MiB)::
 
-    python -m bimetal.lab.stripes --spec configs/lab/rails4.toml --sizes 16M,64M --counts 1,2,3,4
+    python -m bimetal.bench.stripes --spec configs/lab/rails4.toml --sizes 16M,64M --counts 1,2,3,4
 
 ``--slow-nic 1:100`` first limits NIC 1 of both nodes to 100 Mbit/s (a degraded or shared link): the ratio
 then compares with the sum of the line rates of the NICs used, which is what stripes that share the message
@@ -24,10 +24,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bimetal.comm.bench import parse_size
 from bimetal.errors import UserError
 from bimetal.lab.cluster import LabCluster
 from bimetal.lab.spec import load_spec
+from bimetal.sizes import parse_size
 
 
 def _rank_main(counts: list[int], sizes: list[int], repeats: int) -> None:
@@ -98,7 +98,7 @@ def _fmt_size(n: int) -> str:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m bimetal.lab.stripes", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bimetal.bench.stripes", description=__doc__.splitlines()[0])
     p.add_argument("--spec", default="configs/lab/rails4.toml")
     p.add_argument("--counts", default="1,2,3,4", help="stripe counts (default 1,2,3,4; 1 is the reference)")
     p.add_argument("--sizes", default="16M,64M", help="message sizes (default 16M,64M)")
@@ -139,7 +139,7 @@ def main(argv: list[str]) -> int:
 
             for node in spec.nodes:
                 set_link(lab, node.name, slow[0], rate_mbit=slow[1])
-        results = lab.run(["-m", "bimetal.lab.stripes", "--rank", "--counts", args.counts, "--sizes", args.sizes,
+        results = lab.run(["-m", "bimetal.bench.stripes", "--rank", "--counts", args.counts, "--sizes", args.sizes,
                            "--repeats", str(args.repeats)], timeout=600, capture=True)
     text = "".join(r.output for r in results)
     lines = [ln for ln in text.splitlines() if ln.startswith("STRIPES ")]

@@ -83,7 +83,7 @@ def _size_env(name: str, default: int) -> int:
     raw = os.environ.get(name, "")
     if not raw:
         return default
-    from bimetal.comm.bench import parse_size
+    from bimetal.sizes import parse_size
 
     try:
         return parse_size(raw)

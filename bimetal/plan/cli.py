@@ -53,12 +53,6 @@ def _best_tps(vendor: str, model: str, seq: int, gb: int, spec: ClusterSpec) -> 
 
 
 def main(argv: list[str]) -> int:
-    if argv[:1] == ["calibrate"]:
-        from bimetal.plan.calibrate import main as calibrate_main
-        return calibrate_main(argv[1:])
-    if argv[:1] == ["ladder-check"]:
-        from bimetal.plan.labladder import main as ladder_check_main
-        return ladder_check_main(argv[1:])
     if argv[:1] == ["fit"]:
         from bimetal.plan.fit import main as fit_main
         return fit_main(argv[1:])

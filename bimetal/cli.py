@@ -22,7 +22,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "profile": ("bimetal.plan.cli", "profile_main", "time model layers on the local device for the planner"),
     "titan": ("bimetal.integrations.torchtitan.cli", "main", "torchtitan's trainer across vendors"),
     "lab": ("bimetal.lab.cli", "main", "bring up an emulated multi-node cluster and run a job on it"),
-    "bench": ("bimetal.bench.cli", "main", "benchmarks: 'bench comm', 'bench ladder', 'bench train'"),
+    "bench": ("bimetal.bench.cli", "main", "benchmarks: 'bench comm', 'bench engine', 'bench ladder', 'bench train'"),
 }
 
 # (command, first argument) -> (module, function): sub-commands served by a package other than the command's

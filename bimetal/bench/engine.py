@@ -7,14 +7,13 @@ No matching, no credits, no per-message registration, no thread hand-off. Side b
 ``device-direct`` in one run it separates what the engine costs from what our control plane adds, e.g. to
 show that a bandwidth gap to Gloo on loopback is the CPU TCP engine's, not the proxy's.
 
-``python -m bimetal.bench.engine [bench comm options]`` is ``bimetal bench comm`` with the
-device-direct rows (gloo, cpu-forward x1, device-direct, dd-engine at 4 KiB and 64 MiB unless told otherwise).
+``bimetal bench engine [bench comm options]`` is ``bimetal bench comm`` with the device-direct rows (gloo,
+cpu-forward x1, device-direct, dd-engine at 4 KiB and 64 MiB unless told otherwise).
 """
 
 from __future__ import annotations
 
 import json
-import sys
 import time
 from typing import Any
 
@@ -82,18 +81,3 @@ class EngineOnly:
 
     def close(self) -> None:
         self.engine.close()
-
-
-def main(argv: list[str] | None = None) -> int:
-    from bimetal.bench.comm import main as bench_main
-
-    args = list(sys.argv[1:] if argv is None else argv)
-    if not any(a.startswith("--transports") for a in args):
-        args += ["--transports", "gloo,cpu-forward,device-direct,dd-engine", "--stripes", "1"]
-    if not any(a.startswith("--sizes") for a in args):
-        args += ["--sizes", "4K,64M"]
-    return bench_main(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

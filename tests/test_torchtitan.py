@@ -20,7 +20,7 @@ from launcher import bimetal
 
 from bimetal.integrations.torchtitan import available
 from bimetal.integrations.torchtitan.mesh import MixedVendorDimensionError, preflight, unflatten_groups
-from bimetal.integrations.torchtitan.split import module_fqns_per_model_part
+from bimetal.plan.titan_split import module_fqns_per_model_part
 
 needs_titan = pytest.mark.skipif(not available(),
                                  reason="torchtitan is not installed: pip install 'bimetal[torchtitan]'")

@@ -143,7 +143,7 @@ def main(argv: list[str]) -> int:
 
 
 def _write_titan(path: str, ok: list[Plan], spec: ClusterSpec, spec_path: str, quiet: bool) -> None:
-    from bimetal.integrations.torchtitan.plan import runs_on_torchtitan, write_titan
+    from bimetal.plan.titan import runs_on_torchtitan, write_titan
 
     runnable = [p for p in ok if runs_on_torchtitan(p, len({g.vendor for g in spec.groups}))]
     if not runnable:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from bimetal.errors import UserError
-from bimetal.integrations.torchtitan.split import module_fqns_per_model_part, parse_split
+from bimetal.plan.titan_split import module_fqns_per_model_part, parse_split
 
 
 def build_parser() -> argparse.ArgumentParser:

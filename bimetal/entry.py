@@ -8,15 +8,22 @@ Lives low in the layers so that no module needs to import ``bimetal.cli`` for th
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 
 from bimetal.errors import JobAborted, UserError
+from bimetal.log import rank_logging
 from bimetal.supervisor import report_outcome
 
 
 def run_command(label: str, func: Callable[[list[str]], int | None], argv: list[str]) -> int:
-    """``func(argv)``'s exit status; errors a user can cause end as one sentence prefixed ``bimetal LABEL:``."""
+    """``func(argv)``'s exit status; errors a user can cause end as one sentence prefixed ``bimetal LABEL:``.
+
+    In a rank (``RANK`` set by the launcher) diagnostics are set up first: ``[rank N]`` lines (``bimetal.log``).
+    """
+    if os.environ.get("RANK", "").isdigit():
+        rank_logging(int(os.environ["RANK"]))
     try:
         return int(func(argv) or 0)
     except UserError as exc:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import statistics
 import sys
 import time
@@ -28,6 +29,8 @@ from bimetal.errors import UserError
 from bimetal.lab.cluster import LabCluster
 from bimetal.lab.spec import load_spec
 from bimetal.sizes import parse_size
+
+_log = logging.getLogger(__name__)
 
 
 def _rank_main(counts: list[int], sizes: list[int], repeats: int) -> None:
@@ -145,7 +148,7 @@ def main(argv: list[str]) -> int:
     lines = [ln for ln in text.splitlines() if ln.startswith("STRIPES ")]
     stat_lines = [ln for ln in text.splitlines() if ln.startswith("STRIPESTATS ")]
     if any(r.returncode for r in results) or not lines or not stat_lines:
-        print(text[-4000:], file=sys.stderr)
+        _log.error("%s", text[-4000:])
         raise UserError(f"the striping job failed (exit codes {[r.returncode for r in results]}); output above")
     rows = json.loads(lines[-1][len("STRIPES "):])
     stats = json.loads(stat_lines[-1][len("STRIPESTATS "):])

@@ -9,9 +9,11 @@ Two kinds of start, both here:
   (``torch.multiprocessing``) for tests that build their process group themselves.
 
 Every rank ends through ``rank_exit``: the garbage collector runs while the interpreter is still whole, so
-a process group still held by a reference cycle (a pipeline stage and its schedule) is destroyed now, not
-during interpreter finalization, where its threads abort the process ("terminate called without an active
-exception", SIGABRT: seen in CI on ``test_train_pipeline.py::test_pipeline_matches_single_process[gpipe]``).
+a process group still held by a reference cycle (a pipeline stage and its schedule) is destroyed now and its
+destructor joins Gloo's worker threads. Left to interpreter shutdown, a worker still releasing the last
+broadcast's tensors needs the GIL after finalization began and the process aborts ("terminate called without
+an active exception", SIGABRT: seen in CI on ``test_train_pipeline.py::test_pipeline_matches_single_process
+[gpipe]``). bimetal's own rank entry points (``bimetal.train``, ``bimetal titan``) do the same.
 """
 
 from __future__ import annotations

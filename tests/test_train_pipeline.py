@@ -36,17 +36,22 @@ def _rank(rank: int, port: int, schedule: str, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
-        split = [3, 1]
-        layers = _layers()
-        mod = nn.Sequential(*[layers[i] for i in stage_layer_ids(split, rank)])
-        ex = torch.zeros(MB, DIM)
-        runner = PipelineRunner(mod, rank, 2, dist.group.WORLD, N_MB, schedule, _mse, torch.device("cpu"), ex, ex)
-        x, y = _data()
-        loss = runner.step(x if rank == 0 else None, y if rank == 1 else None)
-        grads = {f"{i}": _grad(p).clone() for i, p in enumerate(mod.parameters())}
-        torch.save({"loss": loss, "grads": grads}, Path(out) / f"r{rank}.pt")
+        _stage_step(rank, schedule, out)
     finally:
         dist.destroy_process_group()
+    # the stage and its schedule hold the group in a reference cycle: tests/launcher.py collects it before exit
+
+
+def _stage_step(rank: int, schedule: str, out: str) -> None:
+    split = [3, 1]
+    layers = _layers()
+    mod = nn.Sequential(*[layers[i] for i in stage_layer_ids(split, rank)])
+    ex = torch.zeros(MB, DIM)
+    runner = PipelineRunner(mod, rank, 2, dist.group.WORLD, N_MB, schedule, _mse, torch.device("cpu"), ex, ex)
+    x, y = _data()
+    loss = runner.step(x if rank == 0 else None, y if rank == 1 else None)
+    grads = {f"{i}": _grad(p).clone() for i, p in enumerate(mod.parameters())}
+    torch.save({"loss": loss, "grads": grads}, Path(out) / f"r{rank}.pt")
 
 
 def _grad(p: torch.Tensor) -> torch.Tensor:

@@ -4,6 +4,7 @@ A rank that stops on an error ends with one sentence: printed here under torchru
 when bimetal's own launcher started it (which then speaks once for the job, see ``bimetal.supervisor``).
 """
 
+import gc
 import sys
 
 from bimetal.errors import JobAborted, UserError
@@ -18,7 +19,12 @@ def _stop(status: int, message: str) -> None:
 
 
 try:
-    sys.exit(main(sys.argv[1:]))
+    status = main(sys.argv[1:])
+    # The trainer's objects hold the process groups in reference cycles; collected now, each group's destructor
+    # joins Gloo's worker threads. Left to interpreter shutdown, a worker still releasing the last collective's
+    # tensors needs the GIL after finalization began and the rank aborts after a finished run.
+    gc.collect()
+    sys.exit(status)
 except UserError as e:
     _stop(2, str(e))
 except JobAborted as e:

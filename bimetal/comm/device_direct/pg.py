@@ -14,7 +14,6 @@ import atexit
 import json
 import threading
 import weakref
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -23,6 +22,8 @@ import torch.distributed as dist
 
 from bimetal.comm.base import BimetalProcessGroup, OpRecord, TransportError, check_dtype, completed_work, make_work
 from bimetal.comm.device_direct.engine import Engine
+from bimetal.comm.device_direct.notes import check_record
+from bimetal.comm.device_direct.options import DeviceDirectSettings
 from bimetal.comm.device_direct.proxy import Proxy
 
 _BCAST_TAG, _REDUCE_TAG, _BARRIER_TAG = -1, -2, -3  # user tags are >= 0, so collectives never steal a message
@@ -31,52 +32,12 @@ _REDUCE = {dist.ReduceOp.SUM: torch.Tensor.add_, dist.ReduceOp.AVG: torch.Tensor
                a, b, out=a), dist.ReduceOp.PRODUCT: torch.Tensor.mul_}
 
 
-@dataclass(frozen=True)
-class DeviceDirectOptions:
-    """Knobs of the device-direct transport (pg_options keys, else ``BIMETAL_DD_*`` env vars)."""
-
-    host: str
-    """Address this rank's engine listens on (``BIMETAL_DD_HOST``; default: NIC ``LOCAL_RANK`` of the host, else the
-    first NIC, else loopback)."""
-    protocol: str = "auto"
-    """``rdma``, ``tcp`` or ``auto`` (RDMA where verbs devices exist)."""
-    engine: str = "mooncake"
-    """Which transfer engine adapter (``engine.ENGINES``)."""
-    chunk_bytes: int = 4 << 20
-    """Receive-slot size = the eager limit = the rendezvous write size."""
-    slots: int = 8
-    """Receive slots (credits) per peer."""
-    window: int = 16
-    """Rendezvous writes in flight per message (Mooncake's TCP transport spreads them over its connection
-    lanes to the peer, ``MC_TCP_LANES_PER_PEER``, 4 by default)."""
-    inline_bytes: int = 16 << 10
-    """Host-tensor messages up to this size ride inside the control note (0: never)."""
-    fallback: str = "error"
-    """When the engine cannot start: ``error`` (fail with the reason) or ``cpu-forward`` (warn and use it)."""
-
-
 def _publish(store: dist.Store, rank: int, record: dict[str, Any]) -> None:
     store.set(f"bimetal_dd/{rank}", json.dumps(record))
 
 
 def _read(store: dist.Store, peer: int) -> dict[str, Any]:
-    record = json.loads(store.get(f"bimetal_dd/{peer}"))
-    if not isinstance(record, dict) or not isinstance(record.get("ok"), bool):
-        raise TransportError(f"malformed device-direct record from group rank {peer}: {record!r}")
-    if record["ok"]:
-        pools, ep = record.get("pools"), record.get("endpoint")
-        shape = (record.get("chunk_bytes"), record.get("slots"))
-        control = record.get("control")
-        if not isinstance(control, dict) or not isinstance(control.get("host"), str) or not isinstance(
-                control.get("port"), int) or not isinstance(control.get("token"), str):
-            raise TransportError(f"malformed device-direct control address from group rank {peer}: {control!r}")
-        if not isinstance(ep, dict) or not isinstance(pools, dict) or not all(isinstance(v, int) for v in shape):
-            raise TransportError(f"malformed device-direct record from group rank {peer}: {record!r}")
-        if not all(k.isdigit() and isinstance(v, int) and v > 0 for k, v in pools.items()):
-            raise TransportError(f"malformed receive-pool addresses from group rank {peer}: {pools!r}")
-    elif not isinstance(record.get("reason"), str):
-        raise TransportError(f"malformed device-direct record from group rank {peer}: {record!r}")
-    return record
+    return check_record(peer, json.loads(store.get(f"bimetal_dd/{peer}")))
 
 
 class DeviceDirectProcessGroup(BimetalProcessGroup):
@@ -85,7 +46,7 @@ class DeviceDirectProcessGroup(BimetalProcessGroup):
     backend_name = "bimetal_device_direct"
 
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta, global_ranks: list[int],
-                 engine: Engine, opts: DeviceDirectOptions, device: torch.device) -> None:
+                 engine: Engine, opts: DeviceDirectSettings, device: torch.device) -> None:
         super().__init__(rank, size, timeout, global_ranks)
         self.engine_name, self.protocol = engine.name, engine.protocol
         self.proxy = Proxy(engine, rank, self.global_ranks, opts.chunk_bytes, opts.slots, opts.window,
@@ -211,12 +172,7 @@ class DeviceDirectProcessGroup(BimetalProcessGroup):
         """The base counters with the proxy's staged/direct split (staging happens only where the engine or a
         CPU receive pool bounces GPU memory through the host; on RDMA, or on CPU tensors, it is 0)."""
         stats = self.counters.snapshot()
-        stats["bytes_staged"] = self.proxy.staged_bytes
-        stats["bytes_direct"] = self.proxy.direct_bytes
-        stats["landing_copy_bytes"] = self.proxy.landing_copy_bytes
-        stats["bytes_inline_sent"] = self.proxy.inline_sent_bytes
-        stats["bytes_inline_received"] = self.proxy.inline_received_bytes
-        stats["control_notes_sent"] = self.proxy.notes_sent
+        stats.update(self.proxy.counters.stats())
         return stats
 
     @property

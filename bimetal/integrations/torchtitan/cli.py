@@ -13,6 +13,7 @@ Precedence: torchtitan CLI overrides > ``--plan`` file > the ``--config`` functi
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import tomllib
@@ -224,7 +225,9 @@ def run_rank(titan_args: list[str], cpu: bool, split: list[int] | None, pp_trans
 def rank_main() -> int:
     """``python -m bimetal.integrations.torchtitan``: errors a user can cause end in one sentence, exit 2."""
     try:
-        return main(sys.argv[1:])
+        status = main(sys.argv[1:])
+        gc.collect()  # join Gloo's worker threads now, not during interpreter shutdown (see bimetal/train/__main__.py)
+        return status
     except UserError as exc:
         print(f"bimetal titan: {exc}", file=sys.stderr, flush=True)
         return 2

@@ -1,0 +1,73 @@
+"""The ``bimetal_device_direct`` back-end creator (what ``torch.distributed.Backend.register_backend`` calls).
+
+Every rank of the group tries to start its engine and publishes the outcome; if any rank failed, all ranks
+take the same decision, by the fallback policy (``fallback`` option or ``BIMETAL_DD_FALLBACK``): ``error``
+raises one sentence naming the rank, the missing piece and the fix; ``cpu-forward`` warns and builds a
+cpu-forward group instead. The path never changes silently.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import warnings
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from bimetal.comm.device_direct.engine import Engine, EngineUnavailableError, choose_protocol, open_engine
+from bimetal.comm.device_direct.options import options_from
+from bimetal.comm.device_direct.pg import DeviceDirectProcessGroup
+
+log = logging.getLogger(__name__)
+
+
+def create_process_group(dist_backend_opts: Any, pg_options: Any) -> dist.ProcessGroup:
+    """The ``bimetal_device_direct`` creator (torch extended_api); see the module docstring for the policy."""
+    store, rank = dist_backend_opts.store, dist_backend_opts.group_rank
+    size, timeout = dist_backend_opts.group_size, dist_backend_opts.timeout
+    global_ranks = list(dist_backend_opts.global_ranks_in_group) or list(range(size))
+    opts = options_from(pg_options)
+    store.set_timeout(timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout)))
+    engine: Engine | None = None
+    reason = ""
+    try:
+        engine = open_engine(opts.host, choose_protocol(None if opts.protocol == "auto" else opts.protocol),
+                             opts.engine)
+    except EngineUnavailableError as exc:
+        reason = str(exc)
+    # agreement round: every rank says whether its engine started before anyone builds the group
+    store.set(f"bimetal_dd_start/{rank}", "ok" if engine is not None else reason or "failed")
+    failed = []
+    for p in range(size):
+        answer = store.get(f"bimetal_dd_start/{p}").decode()
+        if answer != "ok":
+            failed.append((p, answer))
+    if not failed:
+        assert engine is not None
+        return DeviceDirectProcessGroup(store, rank, size, timeout, global_ranks, engine, opts, opts.torch_device())
+    if engine is not None:
+        engine.close()
+    p, why = failed[0]
+    where = f"on global rank {global_ranks[p]}" if p != rank else "on this rank"
+    if opts.fallback == "error":
+        raise EngineUnavailableError(f"the device-direct engine could not start {where}: {why} "
+                                     "(or set BIMETAL_DD_FALLBACK=cpu-forward to use cpu-forward instead)")
+    return _fall_back(dist_backend_opts, pg_options, where, why)
+
+
+def _fall_back(dist_backend_opts: Any, pg_options: Any, where: str, why: str) -> dist.ProcessGroup:
+    """A cpu-forward group in place of the device-direct one, with a warning and the reason on the group."""
+    message = (f"device-direct engine could not start {where} ({why}); group falls back to cpu-forward "
+               "as BIMETAL_DD_FALLBACK=cpu-forward asks")
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
+    log.warning(message)
+    try:
+        cpu_forward = importlib.import_module("bimetal.comm.cpu_forward")
+    except ImportError as exc:
+        raise EngineUnavailableError(f"{message}, but cpu-forward is not available in this build ({exc}); "
+                                     "install the device-direct engine instead") from exc
+    pg = cpu_forward.create_process_group(dist_backend_opts, pg_options)
+    pg.fallback_reason = message
+    return pg

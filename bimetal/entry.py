@@ -8,6 +8,7 @@ Lives low in the layers so that no module needs to import ``bimetal.cli`` for th
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from collections.abc import Callable
@@ -21,6 +22,10 @@ def run_command(label: str, func: Callable[[list[str]], int | None], argv: list[
     """``func(argv)``'s exit status; errors a user can cause end as one sentence prefixed ``bimetal LABEL:``.
 
     In a rank (``RANK`` set by the launcher) diagnostics are set up first: ``[rank N]`` lines (``bimetal.log``).
+    Last, the garbage collector runs: objects that hold process groups in reference cycles (a trainer, a
+    pipeline stage and its schedule) are freed while the interpreter is whole, so each group's destructor
+    joins Gloo's worker threads; left to interpreter shutdown, a worker still releasing the last collective's
+    tensors needs the GIL after finalization began and the rank aborts after a finished run.
     """
     if os.environ.get("RANK", "").isdigit():
         rank_logging(int(os.environ["RANK"]))
@@ -37,3 +42,5 @@ def run_command(label: str, func: Callable[[list[str]], int | None], argv: list[
     except KeyboardInterrupt:
         print(f"bimetal {label}: interrupted", file=sys.stderr)
         return 130
+    finally:
+        gc.collect()

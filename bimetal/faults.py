@@ -5,8 +5,8 @@ for ranks that a launcher starts (and that a restart then runs without it).
   (only in the first attempt: ``TORCHELASTIC_RESTART_COUNT`` is 0), as a crashed GPU or node would.
 * ``BIMETAL_FAULT_STALL="rank:step:seconds"``: that rank sleeps after the step, as a stalled peer would.
 
-Transport-level faults live with the transports (``CpuForwardProcessGroup.inject_fault("corrupt")``) and
-link faults with the lab (``bimetal.lab.faults``). Nothing here runs unless its variable is set.
+Transport-level faults wrap the transport (``bimetal.comm.cpu_forward.faults.inject_fault``) and
+link faults live with the lab (``bimetal.lab.faults``). Nothing here runs unless its variable is set.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 ``python cf_failover_rank.py OUT_DIR`` runs three scenarios, each on a fresh group; rank 1 sends to rank 0:
 
-* ``recv_stall``: rank 0's stripe 1 stalls mid-transfer (``inject_fault("stall")``: nothing posted or completed
+* ``recv_stall``: rank 0's stripe 1 stalls mid-transfer (``inject_fault(g, "stall")``: nothing posted or completed
   on it any more), checksums on; then a second transfer on the surviving stripe;
 * ``send_stall``: the same with the sender's stripe 0;
 * ``both_ways``: both ranks send to each other at once (as 1F1B does) while rank 0's stripe 1 stalls;
@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 import bimetal  # noqa: F401  (registers the transports)
 from bimetal.comm.cpu_forward import CpuForwardOptions
+from bimetal.comm.cpu_forward.faults import inject_fault
 
 NUMEL = 4 << 20  # 16 MiB of float32: 64 chunks of 256 KiB, 32 per stripe
 
@@ -85,7 +86,7 @@ def main() -> None:
             warnings.simplefilter("always")
             if rank == stalling_rank:
                 for s in stripes:
-                    pg.inject_fault("stall", stripe=s, after=6)
+                    inject_fault(pg, "stall", stripe=s, after=6)
             run = both_ways if name == "both_ways" else transfer
             first = run(g, rank, seed=1)
             second = run(g, rank, seed=3) if name != "all_stall" else None

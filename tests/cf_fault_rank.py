@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 import bimetal  # noqa: F401
 from bimetal.comm.cpu_forward import CpuForwardOptions
+from bimetal.comm.cpu_forward.faults import inject_fault
 
 TIMEOUT_S = 6.0
 
@@ -43,7 +44,7 @@ def main() -> None:
             os._exit(1)
         if mode == "corrupt":
             dist.send(torch.ones(n), 0, group=g)  # clean: its checksum must pass
-            g.inject_fault("corrupt")
+            inject_fault(g, "corrupt")
             dist.send(torch.ones(n), 0, group=g)
             os._exit(0)
         if mode == "desync":

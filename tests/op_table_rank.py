@@ -17,7 +17,8 @@ when both give the same result. The groups under test (``TRANSPORTS``):
 
 Each transport declares the kinds of rows it runs (``p2p``, ``basic`` = broadcast/all_reduce/barrier, ``all``
 = every other collective, ``bimetal`` = bimetal's own error messages, ``strided`` = non-contiguous tensors in
-point-to-point, which cpu-forward takes and Gloo and device-direct refuse).
+point-to-point, which cpu-forward takes and Gloo and device-direct refuse, ``unsupported`` = a collective the
+transport does not do, refused with the sentence of ``bimetal.comm.base``).
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def groups_under_test(world: int) -> dict[str, tuple[dist.ProcessGroup, set[str]
     if world == 2:
         dd = dist.new_group(backend="bimetal_device_direct", group_desc=DESCS["device-direct"],
                             pg_options={"host": "127.0.0.1", "protocol": "tcp"})
-        out["device-direct"] = (dd, {"p2p", "basic", "bimetal"})  # refuses non-contiguous tensors
+        out["device-direct"] = (dd, {"p2p", "basic", "bimetal", "unsupported"})  # refuses non-contiguous tensors
     return out
 
 
@@ -253,6 +254,17 @@ def run_table(transport: str, g: dist.ProcessGroup, kinds: set[str], ref: dist.P
             return "" if "float8_e5m2 is not supported" in str(exc) and f"'{desc}'" in str(exc) else str(exc)
         return "float8 all_reduce was accepted"
     case("unsupported_dtype", "bimetal", unsupported_dtype)
+
+    def unsupported_op():
+        x = torch.ones(4)
+        try:
+            dist.all_gather_into_tensor(torch.empty(4 * world), x, group=g)
+        except Exception as exc:
+            want = (f"group '{desc}': all_gather_into_tensor is not supported by bimetal_device_direct; "
+                    "bimetal_cpu_forward does it")
+            return "" if type(exc).__name__ == "UnsupportedOperation" and want in str(exc) else repr(exc)
+        return "all_gather_into_tensor was accepted"
+    case("unsupported_op", "unsupported", unsupported_op)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Stripe failover of cpu-forward point-to-point (issue 8, item 3).
 
 * loopback (no lab): one stripe stalls on the receiver, on the sender, or under traffic both ways at once
-  (``inject_fault("stall")``), the
+  (``cpu_forward.faults.inject_fault``), the
   message arrives bit-identical, the stripe is left with one warning per rank, the next transfer works;
   with every stripe stalled the receive fails with the op timeout's error, within timeout + 30 s;
 * lab (root): a NIC cut with ``faults.nic_down`` during a striped 256 MiB transfer between two nodes.

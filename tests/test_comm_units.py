@@ -121,3 +121,41 @@ def test_stripe_shares_follow_measured_rates_and_drop_dead_stripes() -> None:
     floor = rebalance([WEIGHT_SCALE, 1, 1], 3, 0, {}, {})
     assert floor is not None and min(floor) >= WEIGHT_SCALE // 30  # about an eighth of an equal share
     assert rebalance(None, 2, 0, {0: 2**20, 1: 2**20}, {0: 1.0, 1: 1.0}) is None  # equal: the plain split
+
+
+def test_each_cpu_forward_module_imports_alone() -> None:
+    """No import circle in cpu-forward (failover never reaches back into ``pg``): each module imports first in a
+    process whose bimetal modules are forgotten before each one (torch stays loaded: one process, seconds)."""
+    import pkgutil
+    import subprocess
+    import sys
+
+    import bimetal.comm.cpu_forward as cf
+
+    names = sorted(m.name for m in pkgutil.iter_modules(cf.__path__))
+    assert {"pg", "p2p", "collectives", "failover", "links", "status", "chunks", "pipeline", "work",
+            "faults"} <= set(names), names
+    script = ("import importlib, sys, torch.distributed\n"
+              f"for name in {names!r}:\n"
+              "    for m in [m for m in sys.modules if m.startswith('bimetal')]:\n"
+              "        del sys.modules[m]\n"
+              "    importlib.import_module('bimetal.comm.cpu_forward.' + name)\n"
+              "    print('ok', name)\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split().count("ok") == len(names), proc.stdout
+
+
+def test_failover_does_not_reach_back_into_the_group() -> None:
+    """failover and the pieces below it import neither ``pg`` nor the parts of ``pg`` (not even for types)."""
+    import ast
+    from pathlib import Path
+
+    import bimetal.comm.cpu_forward as cf
+
+    root = Path(cf.__file__).parent
+    for name in ("failover", "links", "status", "chunks", "work", "balance", "stats"):
+        tree = ast.parse((root / f"{name}.py").read_text())
+        imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        upward = {m for m in imported if m.rsplit(".", 1)[-1] in ("pg", "p2p", "collectives", "faults")}
+        assert not upward, f"cpu_forward/{name}.py imports {sorted(upward)}"

@@ -18,10 +18,11 @@ HERE = Path(__file__).resolve().parent
 pytestmark = pytest.mark.timeout(240)
 
 # Rows per transport: 3 float dtypes x (5 reductions + broadcast + p2p ring [+ 7 other collectives]) and 3 integer
-# dtypes x (4 reductions + ...), then bool send/recv, async future, barrier and names, [bimetal's dtype error].
+# dtypes x (4 reductions + ...), then bool send/recv, async future, barrier and names, [bimetal's dtype error],
+# [device-direct: a collective it does not do, refused by name].
 # At 4 ranks only cpu-forward/k2 runs (k1 is its degenerate case; gloo checks the table, once is enough).
 _ALL = 3 * (5 + 9) + 3 * (4 + 9) + 3
-_DD = 3 * (5 + 2) + 3 * (4 + 2) + 3 + 1
+_DD = 3 * (5 + 2) + 3 * (4 + 2) + 3 + 1 + 1
 ROWS = {"gloo": _ALL, "cpu-forward/k1": _ALL + 1, "cpu-forward/k2": _ALL + 1, "device-direct": _DD}
 CASES = [("nvidia:1,amd:1", t) for t in ("gloo", "cpu-forward/k1", "cpu-forward/k2", "device-direct")] + [
     ("nvidia:2,amd:2", "cpu-forward/k2")]

@@ -79,7 +79,7 @@ def test_16_rank_all_gather_runs_in_rounds_in_two_slabs_and_allocations_stay_fla
     seen: dict[int, tuple[int, int, int]] = {}
 
     def body(pg: CpuForwardProcessGroup, ref: dist.ProcessGroup, r: int) -> None:
-        assert isinstance(pg._streams.pair(torch.device("cpu"))[0], HostCopyDouble)
+        assert isinstance(pg.streams.pair(torch.device("cpu"))[0], HostCopyDouble)
         g = torch.Generator().manual_seed(r)
         x = torch.randn(10_000, generator=g)  # 40 KB per rank, 17 pieces: 680 KB of staging vs 32 KB of pool
         outs = [torch.empty_like(x) for _ in range(16)]

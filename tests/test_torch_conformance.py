@@ -49,12 +49,7 @@ KNOWN_GAPS: dict[str, tuple[str, str]] = {
     "test_send_recv_any_source": (
         "cpu-forward refuses recv from any source: each peer pair keeps its own sequence of turns (the "
         "failover and the staged pipeline rely on it), so a receive must name its sender",
-        "recv with any source is not supported by bimetal_cpu_forward",
-    ),
-    "test_all_gather_coalesced_simple": (
-        "cpu-forward does not implement allgather_coalesced (torch's deprecated all_gather_coalesced, "
-        "not used by bimetal, FSDP or torchtitan); torch answers with its generic message",
-        "No backend type associated with device type cpu",
+        "recv_anysource is not supported by bimetal_cpu_forward",
     ),
 }
 

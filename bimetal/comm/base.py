@@ -2,140 +2,74 @@
 ``Work`` on futures, per-group sequence numbers, clear errors and byte counters.
 
 torch 2.13 hands every collective of a group registered with ``extended_api=True`` to the Python object
-the creator returns (see DESIGN.md); a transport subclasses ``BimetalProcessGroup`` and implements the
-ops it supports. Every op goes through ``_begin`` (sequence number, op record for error messages) and
-returns ``make_work(future)``; a failure becomes a ``TransportError`` / ``TransportTimeout`` whose message
-names the group description, the operation, the peer and the sequence number.
+the creator returns (see DESIGN.md). ``BimetalProcessGroup`` declares every operation torch routes there
+(``distributed_c10d`` calls and the C++ trampoline's overrides) as a template method: each public op goes
+through ``_run`` (open check, sequence number, op counter, dtype check, then ``Work`` from the future or
+work the transport returns), and a transport supplies only the data movement, ``_do_<op>``. An op whose
+``_do_`` a transport lacks raises ``UnsupportedOperation`` naming the op, the transport and the transports
+that do it. A failure becomes a ``TransportError`` / ``TransportTimeout`` whose message names the group
+description, the operation, the peer and the sequence number.
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import json
 import threading
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import (
+    AllgatherOptions,
+    AllreduceOptions,
+    AllToAllOptions,
+    BarrierOptions,
+    BroadcastOptions,
+    GatherOptions,
+    ReduceOptions,
+    ReduceScatterOptions,
+    ScatterOptions,
+)
 
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32,
-                    torch.int16, torch.int8, torch.uint8, torch.bool)
+from bimetal.comm.work import (
+    SUPPORTED_DTYPES,
+    BimetalWork,
+    CommCounters,
+    OpRecord,
+    TransportError,
+    TransportTimeout,
+    UnsupportedOperation,
+    check_dtype,
+    completed_work,
+    make_work,
+)
 
+__all__ = ["SUPPORTED_DTYPES", "BimetalProcessGroup", "BimetalWork", "CommCounters", "OpRecord", "TransportError",
+           "TransportTimeout", "UnsupportedOperation", "check_dtype", "completed_work", "make_work"]
 
-class TransportError(RuntimeError):
-    """A bimetal transport operation failed (peer gone, bad data, broken link)."""
-
-
-class TransportTimeout(TransportError):
-    """An operation did not complete within the group's timeout."""
-
-
-class UnsupportedOperation(TransportError):
-    """An op / dtype / option combination this transport does not implement."""
-
-
-@dataclass
-class CommCounters:
-    """Bytes this group moved, split by whether they went through host memory (staging) or not."""
-
-    ops: int = 0
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    bytes_staged: int = 0
-    """Bytes copied device -> host or host -> device on their way through this group."""
-    bytes_direct: int = 0
-    """Bytes that left or arrived without a host copy (device-direct; CPU tensors on cpu-forward)."""
-    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
-
-    def add(self, **amounts: int) -> None:
-        with self.lock:
-            for name, value in amounts.items():
-                setattr(self, name, getattr(self, name) + value)
-
-    def snapshot(self) -> dict[str, int]:
-        with self.lock:
-            return {k: getattr(self, k) for k in ("ops", "bytes_sent", "bytes_received", "bytes_staged",
-                                                  "bytes_direct")}
+_TRANSPORTS: list[type[BimetalProcessGroup]] = []
+"""Every transport class (``__init_subclass__``), for the "who does it" part of ``not_implemented``."""
+_TRANSPORT_PACKAGES = ("bimetal.comm.cpu_forward", "bimetal.comm.device_direct")
+_HINTS = {"monitored_barrier": " (Gloo does): use barrier, it has the group's timeout",
+          "recv_anysource": " (Gloo does): receive from a named source"}
 
 
-@dataclass(frozen=True)
-class OpRecord:
-    """Which operation, for error messages: ``<group> <op> #<seq> (peer <p>)``."""
-
-    group: str
-    op: str
-    seq: int
-    peer: int | None = None
-
-    def describe(self) -> str:
-        peer = f" with peer {self.peer}" if self.peer is not None else ""
-        return f"group {self.group!r} {self.op} #{self.seq}{peer}"
-
-
-class BimetalWork(dist.Work):
-    """A torch ``Work`` over a future: ``wait()`` re-raises the op's error, ``get_future()`` gives the future.
-
-    (torch's own future-wrapping work swallows the exception in ``wait()``, which would turn a failed
-    transfer into silently wrong data; hence a Python subclass.)
-    """
-
-    def __init__(self, future: torch.futures.Future):
-        super().__init__()
-        self._future = future
-
-    def wait(self, timeout: timedelta | None = None) -> bool:  # type: ignore[override]
-        self._future.wait()
-        return True
-
-    def get_future(self) -> torch.futures.Future:  # type: ignore[override]
-        return self._future
-
-    def is_completed(self) -> bool:  # type: ignore[override]
-        return self._future.done()
-
-    def is_success(self) -> bool:  # type: ignore[override]
-        if not self._future.done():
-            return False
-        try:
-            self._future.value()
-        except Exception:
-            return False
-        return True
-
-    def exception(self) -> BaseException | None:  # type: ignore[override]
-        if not self._future.done():
-            return None
-        try:
-            self._future.value()
-        except Exception as exc:
-            return exc
-        return None
-
-    def synchronize(self) -> None:  # type: ignore[override]
-        self._future.wait()
-
-
-def make_work(future: torch.futures.Future) -> dist.Work:
-    """A torch ``Work`` whose ``wait()`` and ``get_future()`` follow ``future``."""
-    return BimetalWork(future)
-
-
-def completed_work(value: object = None) -> dist.Work:
-    fut: torch.futures.Future = torch.futures.Future()
-    fut.set_result(value)
-    return make_work(fut)
-
-
-def check_dtype(op: OpRecord, tensor: torch.Tensor, allowed: tuple[torch.dtype, ...] = SUPPORTED_DTYPES) -> None:
-    if tensor.dtype not in allowed:
-        raise UnsupportedOperation(f"{op.describe()}: dtype {tensor.dtype} is not supported by this transport; "
-                                   f"supported: {', '.join(str(d).replace('torch.', '') for d in allowed)}")
+def _flat(lists: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+    return [t for lst in lists for t in lst]
 
 
 class BimetalProcessGroup(dist.ProcessGroup):
-    """Base of the bimetal transports; subclasses implement the torch op methods they support."""
+    """Base of the bimetal transports: every torch op as a template method over the subclass's ``_do_<op>``."""
 
     backend_name = "bimetal"
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        _TRANSPORTS.append(cls)
 
     def __init__(self, rank: int, size: int, timeout: timedelta, global_ranks: list[int] | None = None):
         # (torch's stubs list only the overload that takes a store; the (rank, size) one exists)
@@ -184,6 +118,123 @@ class BimetalProcessGroup(dist.ProcessGroup):
 
     def rank(self) -> int:  # type: ignore[override]
         return self._rank
+
+    # --- the operations: one path each, the transport supplies ``_do_<op>(op, ...)`` ------------------------
+    def _run(self, name: str, do: str, tensors: Sequence[torch.Tensor], *args: Any, peer: int | None = None
+             ) -> dist.Work:
+        """The template method: refuse what the transport lacks, begin (sequence number, counter), check every
+        tensor's dtype, move the data (``do``), and give torch a ``Work`` (``do`` returns one or a future)."""
+        move = getattr(self, do, None)
+        if move is None:
+            raise self.not_implemented(name, do)
+        op = self._begin(name, peer)
+        for t in tensors:
+            check_dtype(op, t)
+        done = move(op, *args)
+        return done if isinstance(done, dist.Work) else make_work(done)
+
+    def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int = 0) -> dist.Work:  # noqa: N803
+        return self._run("send", "_do_send", tensors, tensors, dstRank, tag, peer=dstRank)
+
+    def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int = 0) -> dist.Work:  # noqa: N803
+        return self._run("recv", "_do_recv", tensors, tensors, srcRank, tag, peer=srcRank)
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> dist.Work:  # type: ignore[override]
+        return self._run("recv_anysource", "_do_recv_anysource", tensors, tensors, tag)
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:  # type: ignore[override]
+        return self._run("broadcast", "_do_broadcast", tensors, tensors, opts or BroadcastOptions())
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:  # type: ignore[override]
+        return self._run("all_reduce", "_do_allreduce", tensors, tensors, opts or AllreduceOptions())
+
+    allreduce_coalesced = allreduce  # type: ignore[assignment]  # (the same op on a list, options with reduceOp)
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:  # type: ignore[override]
+        return self._run("reduce", "_do_reduce", tensors, tensors, opts or ReduceOptions())
+
+    def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],  # type: ignore[override]
+                  opts: Any = None) -> dist.Work:
+        return self._run("all_gather", "_do_allgather", [*inputs, *_flat(output_lists)], output_lists, inputs,
+                         opts or AllgatherOptions())
+
+    def allgather_coalesced(self, output_lists: list[list[torch.Tensor]],  # type: ignore[override]
+                            inputs: list[torch.Tensor], opts: Any = None) -> dist.Work:
+        return self._run("all_gather_coalesced", "_do_allgather_coalesced", [*inputs, *_flat(output_lists)],
+                         output_lists, inputs, opts or AllgatherOptions())
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,  # type: ignore[override]
+                          opts: Any = None) -> dist.Work:
+        return self._run("all_gather_into_tensor", "_do_all_gather_into", [input, output], output, input,
+                         opts or AllgatherOptions())
+
+    _allgather_base = all_gather_single  # type: ignore[assignment]
+
+    def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor],  # type: ignore[override]
+                                        inputs: list[torch.Tensor], opts: Any = None) -> dist.Work:
+        return self._run("all_gather_into_tensor_coalesced", "_do_all_gather_into_coalesced", [*inputs, *outputs],
+                         outputs, inputs, opts or AllgatherOptions())
+
+    all_gather_single_coalesced = allgather_into_tensor_coalesced  # type: ignore[assignment]
+
+    def gather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],  # type: ignore[override]
+               opts: Any = None) -> dist.Work:
+        return self._run("gather", "_do_gather", [*inputs, *_flat(output_lists)], output_lists, inputs,
+                         opts or GatherOptions())
+
+    def scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]],  # type: ignore[override]
+                opts: Any = None) -> dist.Work:
+        return self._run("scatter", "_do_scatter", [*_flat(input_lists), *outputs], outputs, input_lists,
+                         opts or ScatterOptions())
+
+    def reduce_scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]],  # type: ignore[override]
+                       opts: Any = None) -> dist.Work:
+        return self._run("reduce_scatter", "_do_reduce_scatter", [*_flat(input_lists), *outputs], outputs,
+                         input_lists, opts or ReduceScatterOptions())
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,  # type: ignore[override]
+                              opts: Any = None) -> dist.Work:
+        return self._run("reduce_scatter_tensor", "_do_reduce_scatter_into", [input, output], output, input,
+                         opts or ReduceScatterOptions())
+
+    _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]
+
+    def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor],  # type: ignore[override]
+                                        inputs: list[torch.Tensor], opts: Any = None) -> dist.Work:
+        return self._run("reduce_scatter_tensor_coalesced", "_do_reduce_scatter_into_coalesced",
+                         [*inputs, *outputs], outputs, inputs, opts or ReduceScatterOptions())
+
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced  # type: ignore[assignment]
+
+    def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],  # type: ignore[override]
+                 opts: Any = None) -> dist.Work:
+        return self._run("all_to_all", "_do_alltoall", [*inputs, *outputs], outputs, inputs,
+                         opts or AllToAllOptions())
+
+    def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],  # type: ignore[override]
+                      input_split_sizes: list[int], opts: Any = None) -> dist.Work:
+        return self._run("all_to_all_single", "_do_alltoall_single", [input, output], output, input,
+                         list(output_split_sizes), list(input_split_sizes), opts or AllToAllOptions())
+
+    all_to_all_single = alltoall_base  # type: ignore[assignment]
+
+    def barrier(self, opts: Any = None) -> dist.Work:  # type: ignore[override]
+        return self._run("barrier", "_do_barrier", [], opts or BarrierOptions())
+
+    def monitored_barrier(self, opts: Any = None, wait_all_ranks: bool = False) -> dist.Work:  # type: ignore[override]
+        return self._run("monitored_barrier", "_do_monitored_barrier", [], opts, wait_all_ranks)
+
+    def not_implemented(self, name: str, do: str) -> UnsupportedOperation:
+        """The error for an op this transport has no ``do`` for: the op, the transport, who does it."""
+        for package in _TRANSPORT_PACKAGES:  # (error path only: list every transport, loaded or not)
+            with contextlib.suppress(ImportError):
+                importlib.import_module(package)
+        who = sorted({c.backend_name for c in _TRANSPORTS if getattr(c, do, None) is not None} - {self.backend_name})
+        alternatives = f"{' and '.join(who)} {'does' if len(who) == 1 else 'do'} it" if who else \
+            "no bimetal transport does it"
+        hint = _HINTS.get(name, "")
+        return UnsupportedOperation(f"group {self.description!r}: {name} is not supported by {self.backend_name}; "
+                                    f"{alternatives}{hint}")
 
     # --- helpers for subclasses ----------------------------------------------------------------------
     @property

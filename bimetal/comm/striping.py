@@ -25,6 +25,7 @@ ENV_IFACES = "BIMETAL_CF_IFACES"
 ENV_CHUNK = "BIMETAL_CF_CHUNK_BYTES"
 ENV_POOL = "BIMETAL_CF_POOL_BUFFERS"
 ENV_STALL = "BIMETAL_CF_STALL_S"
+ENV_CHECKSUM = "BIMETAL_CF_CHECKSUM"
 
 DEFAULT_CHUNK_BYTES = 4 * 2**20
 
@@ -47,6 +48,9 @@ class CpuForwardOptions:
     """Seconds without progress after which one stripe of a point-to-point transfer counts as stalled: its
     chunks are re-sent on the other stripes and the stripe is left for good (``BIMETAL_CF_STALL_S``);
     0: min(10 s, group timeout / 3). Must exceed two chunks' time on the slowest link."""
+    checksum: bool | None = None
+    """CRC32 on point-to-point host messages, a mismatch fails the receive instead of training on corrupted data
+    (``BIMETAL_CF_CHECKSUM=1``); None: from the variable."""
 
     def resolved(self) -> CpuForwardOptions:
         env = os.environ
@@ -61,7 +65,8 @@ class CpuForwardOptions:
         if ifaces and len(ifaces) < stripes:
             ifaces = [ifaces[i % len(ifaces)] for i in range(stripes)]
         local = self.local_rank if self.local_rank is not None else int(env.get("LOCAL_RANK", "0"))
-        return CpuForwardOptions(stripes, ifaces[:stripes], chunk, pool, local, stall)
+        checksum = self.checksum if self.checksum is not None else env.get(ENV_CHECKSUM, "") not in ("", "0")
+        return CpuForwardOptions(stripes, ifaces[:stripes], chunk, pool, local, stall, checksum)
 
     def stall_seconds(self, timeout: timedelta) -> float:
         """The stripe-stall timeout of a group with op timeout ``timeout``."""

@@ -8,12 +8,13 @@ stripe), ``BIMETAL_CF_CHUNK_BYTES`` (pipelining chunk, default 4M; sizes like 64
 ``BIMETAL_CF_FORCE_STAGING=1`` (stage CPU tensors too), ``BIMETAL_CF_CHECKSUM=1`` (CRC32 on point-to-point
 messages; a mismatch fails the receive instead of training on corrupted data) and ``BIMETAL_CF_STALL_S``
 (seconds without progress before one stripe of a point-to-point transfer is left and its chunks re-sent on
-the others; default min(10, timeout / 3); see ``failover``).
+the others; default min(10, timeout / 3); see ``failover``). All of them are read in one place,
+``CpuForwardOptions.resolved`` (``bimetal.comm.striping``), except ``BIMETAL_CF_FORCE_STAGING`` (``staging``).
+The group itself is ``pg.CpuForwardProcessGroup``; its module docstring maps the package.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch.distributed as dist
@@ -32,9 +33,8 @@ def create_process_group(dist_backend_opts: Any, pg_options: Any) -> CpuForwardP
     timeout = dist_backend_opts.timeout
     interfaces = choose_interfaces(opts)
     stripes = build_stripes(dist_backend_opts.store, rank, size, timeout, interfaces)
-    checksum = os.environ.get("BIMETAL_CF_CHECKSUM", "") not in ("", "0")
     pg = CpuForwardProcessGroup(stripes, rank, size, timeout, opts,
                                 global_ranks=list(dist_backend_opts.global_ranks_in_group) or None,
-                                interfaces=interfaces, checksum=checksum)
+                                interfaces=interfaces, checksum=bool(opts.checksum))
     pg.store = dist.PrefixStore("bimetal_cf", dist_backend_opts.store)
     return pg

@@ -1,13 +1,14 @@
 """Stripe failover for cpu-forward point-to-point transfers: when one stripe of a message stalls or fails,
 its chunks are re-sent on the stripes that still work, and the stripe is left for the rest of the group's life.
 
-Used when a group has K > 1 stripes (one stripe keeps the plain path of ``pg.py``: nothing to fail over to).
+Used when a group has K > 1 stripes (one stripe keeps the plain paths of ``p2p`` and ``pipeline``: nothing to fail
+over to). ``Failover`` is a group's failover state; ``Transfer`` one message; the stripes' liveness is ``links``, the
+status message ``status``, the chunks' bytes come from and go to the chunk I/O of ``chunks``.
 
 Protocol. Round 0 follows the plan both sides compute (``striping.chunk_plan``: stripe shares by bytes, with
 the weights the previous transfer's final status agreed on, see ``balance``); each side skips the stripes
 it already holds dead. When the receiver has seen every chunk it posted arrive or get lost
-with its stripe, it sends a *status* on every stripe it holds alive: a fixed-layout int64 tensor
-``[magic, transfer number, round, flags, dead-stripe mask, missing count, bitmap of missing chunks]`` (no
+with its stripe, it sends a *status* on every stripe it holds alive: a fixed-layout int64 tensor (``status``, no
 pickle). The sender waits for it on every stripe it holds alive, kills the stripes the mask names, and
 re-sends the missing chunks: the i-th missing chunk on the (i mod n)-th of the n stripes the mask leaves
 alive. Both sides derive that assignment from the one message, so they never disagree on which chunk rides
@@ -28,138 +29,71 @@ Gloo op stuck on the dead link is never waited for again. Each stripe warns once
 
 from __future__ import annotations
 
-import contextlib
 import queue
 import threading
 import time
-import warnings
 from collections import deque
 from collections.abc import Callable
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any
 
 import torch
 
 from bimetal.comm.base import TransportError
-from bimetal.comm.cpu_forward.balance import WEIGHT_SCALE, rebalance
+from bimetal.comm.cpu_forward.balance import rebalance
+from bimetal.comm.cpu_forward.chunks import ChunkIO
+from bimetal.comm.cpu_forward.links import CONTROL_TAG, StripeSet, Waiter, short_error
+from bimetal.comm.cpu_forward.stats import StripeStats
+from bimetal.comm.cpu_forward.status import CORRUPT, DONE, HEADER, MORE, Status, word_count
+from bimetal.comm.cpu_forward.work import Deadline
+from bimetal.comm.striping import chunk_plan
 
-if TYPE_CHECKING:
-    from bimetal.comm.cpu_forward.work import Deadline
+__all__ = ["CORRUPT", "DONE", "MORE", "Failover", "Status", "Transfer"]
 
-MAGIC = 0x626D6631  # "bmf1"
-CONTROL_TAG = 0x7FFF0001  # status messages; chunks keep the caller's tag
-POISON_TAG = 0x7FFF0002  # the dummy receive that kills a stripe; never sent
 MAX_STRIPES = 62  # the dead-stripe mask is one int64
-_HEADER = 6
-DONE, MORE, CORRUPT = 0, 1, 2
 _GRACE_S = 2.0  # waiter threads outlive the op deadline a little: the coordinator reports the timeout
 
 
-class _Stalled:
-    """A stalled stripe's op as this rank sees it (test hook): never completes; fails once the stripe dies."""
+class Failover:
+    """The failover side of one group: its stripes (``links``), one waiter thread per stripe and (direction, peer),
+    the stripe shares each (direction, peer) agreed on last, and the per-stripe counters."""
 
-    def __init__(self, gone: threading.Event):
-        self._gone = gone
-
-    def wait(self, timeout: timedelta | None = None) -> bool:
-        if self._gone.wait(timeout.total_seconds() if timeout is not None else None):
-            raise RuntimeError("stripe closed while stalled (injected fault)")
-        raise RuntimeError("timed out on a stalled stripe (injected fault)")
-
-
-class StripeSet:
-    """The Gloo contexts of one group and which of them still work; shared by all of the group's transfers."""
-
-    def __init__(self, pgs: list[Any], interfaces: list[str | None]):
-        self.pgs = pgs
-        self.interfaces = interfaces
-        self.dead: dict[int, str] = {}
-        """Stripe -> why it was left (stall or the Gloo error); never used again."""
+    def __init__(self, links: StripeSet, name: Callable[[], str], global_ranks: list[int], chunk_bytes: int,
+                 stall_s: float, stats: StripeStats):
+        self.links, self.name, self.global_ranks, self.chunk_bytes = links, name, global_ranks, chunk_bytes
+        self.stall_s, self.stats = stall_s, stats
         self._lock = threading.Lock()
-        self._gone = [threading.Event() for _ in pgs]
-        self._stall_after: dict[int, int] = {}
+        self._waiters: dict[Any, list[Waiter]] = {}
+        self._weights: dict[Any, list[int]] = {}  # stripe shares per (direction, peer), agreed per transfer
 
-    def __len__(self) -> int:
-        return len(self.pgs)
-
-    def alive(self) -> list[int]:
+    def transfer(self, key: tuple[str, int], tag: int, turn: int, data: torch.Tensor, d: Deadline, window: int,
+                 crc: bool = False) -> tuple[Transfer, list[tuple[int, int]]]:
+        """The transfer of ``data`` (flat) with peer ``key[1]`` and its chunks' element ranges, planned with the
+        stripe shares the previous transfer of ``key`` agreed on; with ``crc``, one more chunk (the checksum) on
+        the first stripe."""
+        k, peer = len(self.links), key[1]
         with self._lock:
-            return [s for s in range(len(self.pgs)) if s not in self.dead]
+            if key not in self._waiters:
+                self._waiters[key] = [Waiter(f"bimetal-cf-{self.name()}-{key}-s{s}") for s in range(k)]
+        weights = self._weights.get(key)
+        plan = chunk_plan(data.numel(), data.element_size(), self.chunk_bytes, k, turn, weights)
+        order = [(j, s) for j, (_, _, s) in enumerate(plan)] + ([(len(plan), plan[0][2])] if crc else [])
+        t = Transfer(self.links, self._waiters[key], peer, self.global_ranks[peer], tag, turn, order, d, self.stall_s,
+                     max(window, k), weights)
+        return t, [(a, b) for a, b, _ in plan]
 
-    def is_dead(self, s: int) -> bool:
-        with self._lock:
-            return s in self.dead
-
-    def dead_mask(self) -> int:
-        with self._lock:
-            return sum(1 << s for s in self.dead)
-
-    def stall_after(self, stripe: int, ops: int) -> None:
-        """Test hook: after ``ops`` more ops this rank posts nothing on ``stripe`` and sees nothing complete."""
-        if not 0 <= stripe < len(self.pgs):
-            raise ValueError(f"no stripe {stripe}; this group has {len(self.pgs)}")
-        with self._lock:
-            self._stall_after[stripe] = ops
-
-    def post(self, s: int, kind: str, buf: torch.Tensor, peer: int, tag: int) -> Any:
-        with self._lock:
-            left = self._stall_after.get(s)
-            if left is not None:
-                if left <= 0:
-                    return _Stalled(self._gone[s])
-                self._stall_after[s] = left - 1
-        pg = self.pgs[s]
-        return pg.send([buf], peer, tag) if kind == "send" else pg.recv([buf], peer, tag)
-
-    def kill(self, s: int, peer: int, reason: str, group: str, peer_global: int) -> None:
-        """Leave stripe ``s`` for good: close its Gloo context (every pair) and warn once."""
-        with self._lock:
-            if s in self.dead:
-                return
-            self.dead[s] = reason
-        # An application-side timeout makes Gloo close all pairs of the context and fail their ops.
-        with contextlib.suppress(RuntimeError):
-            self.pgs[s].recv([torch.zeros(1)], peer, POISON_TAG).wait(timedelta(milliseconds=1))
-        self._gone[s].set()
-        iface = self.interfaces[s] if s < len(self.interfaces) and self.interfaces[s] else "Gloo's default device"
-        warnings.warn(f"bimetal cpu-forward group {group!r}: stripe {s} (interface {iface}) to peer {peer_global} "
-                      f"is degraded ({reason}); its chunks are re-sent on the other stripes and later transfers "
-                      "avoid it", RuntimeWarning, stacklevel=2)
-
-
-class Waiter:
-    """A thread that waits on one stripe's works in posting order and reports each outcome."""
-
-    def __init__(self, name: str):
-        self._jobs: queue.Queue = queue.Queue()
-        threading.Thread(target=self._loop, name=name, daemon=True).start()
-
-    def watch(self, work: Any, end: float, report: Callable[[str | None], None]) -> None:
-        self._jobs.put((work, end, report))
+    def settled(self, key: tuple[str, int], t: Transfer) -> None:
+        """After a transfer of ``key`` completed: keep the shares it agreed on; a send counts its stripes' bytes
+        and whether it failed over (the sender's side only, so that sums over ranks count each byte once)."""
+        if t.next_weights is not None:
+            self._weights[key] = t.next_weights
+        if key[0] == "send":
+            self.stats.transfer(t.moved, t.rounds)
 
     def stop(self) -> None:
-        self._jobs.put(None)
-
-    def _loop(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            work, end, report = job
-            try:
-                work.wait(timedelta(seconds=max(0.001, end - time.monotonic())))
-            except Exception as exc:  # the Gloo error of this stripe: the coordinator decides what it means
-                report(short_error(exc))
-            else:
-                report(None)
-
-
-class ChunkIO(Protocol):
-    """Where chunk j's bytes come from (send) or go (receive); ``release`` after its op completed or was lost."""
-
-    def buffer(self, j: int) -> torch.Tensor: ...
-
-    def release(self, j: int, buf: torch.Tensor, ok: bool) -> None: ...
+        for waiters in self._waiters.values():
+            for waiter in waiters:
+                waiter.stop()
 
 
 class Transfer:
@@ -211,8 +145,8 @@ class Transfer:
             self.rounds = round_
 
     def _await_status(self, round_: int) -> Status:
-        words = _words(self.chunks)
-        bufs = {s: torch.zeros(_HEADER + words + self.k, dtype=torch.int64) for s in self.stripes.alive()}
+        words = word_count(self.chunks)
+        bufs = {s: torch.zeros(HEADER + words + self.k, dtype=torch.int64) for s in self.stripes.alive()}
 
         def first(s: int) -> None:  # the receiver's dead stripes are dead: no need to wait them out here
             mask = Status.parse(bufs[s], self, round_).dead_mask
@@ -434,55 +368,3 @@ class _Phase:
             on_done(token)
 
 
-def short_error(exc: BaseException) -> str:
-    """A Gloo error's first sentence, without its source-file prefix."""
-    text = (str(exc).splitlines() or [type(exc).__name__])[0]
-    if text.startswith("[") and "] " in text:
-        text = text.split("] ", 1)[1]
-    return text.split(". ", 1)[0]
-
-
-def _words(chunks: int) -> int:
-    return (chunks + 31) // 32
-
-
-class Status:
-    """The receiver's status: fixed-layout int64, validated field by field (it comes off the network)."""
-
-    def __init__(self, flags: int, dead_mask: int, missing: list[int], k: int, weights: list[int] | None = None):
-        self.flags, self.dead_mask, self.missing, self.weights = flags, dead_mask, missing, weights
-        alive = [s for s in range(k) if not dead_mask >> s & 1]
-        self.assignment = [(j, alive[i % len(alive)]) for i, j in enumerate(missing)] if alive else []
-
-    @staticmethod
-    def encode(number: int, round_: int, flags: int, dead_mask: int, missing: set[int], chunks: int,
-               weights: list[int] | None = None, k: int | None = None) -> torch.Tensor:
-        """``weights``: the stripe shares of the next transfer (with DONE); all zero: keep the current ones."""
-        bits = [0] * _words(chunks)
-        for j in missing:
-            bits[j // 32] |= 1 << (j % 32)
-        shares = list(weights) if weights else [0] * (k or 0)  # (no words at all: read as "keep")
-        return torch.tensor([MAGIC, number, round_, flags, dead_mask, len(missing), *bits, *shares],
-                            dtype=torch.int64)
-
-    @staticmethod
-    def parse(raw: torch.Tensor, t: Transfer, round_: int) -> Status:
-        v = [int(x) for x in raw.tolist()]
-        magic, number, rnd, flags, mask, count = v[:_HEADER]
-        words = _words(t.chunks)
-        shares = v[_HEADER + words:]
-        v = v[:_HEADER + words]
-        missing = [w * 32 + b for w, word in enumerate(v[_HEADER:]) for b in range(32) if word >> b & 1]
-        problems = [name for name, bad in (
-            ("magic", magic != MAGIC), ("transfer number", number != t.number), ("round", rnd != round_),
-            ("flags", flags not in (DONE, MORE, CORRUPT)), ("dead mask", not 0 <= mask < 1 << t.k),
-            ("missing count", count != len(missing) or (flags == MORE) != (count > 0)),
-            ("missing chunk", any(j >= t.chunks for j in missing) or any(w >> 32 for w in v[_HEADER:])),
-            ("alive stripes", flags == MORE and mask == (1 << t.k) - 1),
-            ("stripe weights", len(shares) not in (0, t.k) or any(not 0 <= w <= WEIGHT_SCALE for w in shares)
-             or (any(shares) and (not any(shares[s] for s in range(t.k) if not mask >> s & 1)
-                                  or any(shares[s] for s in range(t.k) if mask >> s & 1))))) if bad]
-        if problems:
-            raise TransportError(f"{t.d.op.describe()}: malformed status from the peer (bad "
-                                 f"{', '.join(problems)}); not used")
-        return Status(flags, mask, missing, t.k, shares if any(shares) else None)

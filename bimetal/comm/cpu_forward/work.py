@@ -1,5 +1,6 @@
-"""Where cpu-forward's operations run and how their callers wait: the per-(direction, peer) worker threads, the
-op deadline, and ``DirectWork``, the caller-thread fast path.
+"""Where cpu-forward's operations run and how their callers wait: the worker threads (one per (direction, peer) of
+point-to-point traffic, one for collectives, ``Workers``), the op deadline, and ``DirectWork``, the caller-thread
+fast path.
 
 The fast path (one stripe, CPU tensors, nothing of the same direction and peer still queued on a worker):
 the Gloo operations are posted on the caller's thread, which cannot block (Gloo posts asynchronously), and
@@ -12,6 +13,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -19,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bimetal.comm.base import OpRecord, TransportError, TransportTimeout
+from bimetal.comm.base import OpRecord, TransportError, TransportTimeout, make_work
 
 _STOP = object()
 
@@ -81,6 +83,78 @@ class Deadline:
         return TransportTimeout(f"{self.op.describe()} did not complete within {self.timeout.total_seconds():g} s "
                                 "(the peer did not answer: dead, stalled or in a different operation)"
                                 + (f"; {where}" if where else ""))
+
+
+class Workers:
+    """A group's workers by key, what the fast path must know of them (jobs whose Gloo ops are not posted yet),
+    and errors that came after their op had completed for its caller (reported by the next op of that key)."""
+
+    def __init__(self, name: Callable[[], str], timeout: timedelta, diagnose: Callable[[OpRecord], str]):
+        """``name()``: the group's description, for the threads' names (torch sets it after creation)."""
+        self.name, self.timeout, self.diagnose = name, timeout, diagnose
+        self._workers: dict[Any, Worker] = {}
+        self._lock = threading.Lock()
+        self._queued: dict[Any, int] = {}  # jobs submitted per key whose Gloo ops are not posted yet
+        self._deferred: dict[Any, TransportError] = {}
+
+    def _worker(self, key: Any) -> Worker:
+        with self._lock:
+            if key not in self._workers:
+                self._workers[key] = Worker(f"bimetal-cf-{self.name()}-{key}")
+            return self._workers[key]
+
+    def submit(self, key: Any, op: OpRecord, body: Callable[[Deadline], Any]) -> dist.Work:
+        """Run ``body(deadline)`` on ``key``'s worker; the ``Work`` completes with its value or its error."""
+        fut: torch.futures.Future = torch.futures.Future()
+
+        def release() -> None:  # the caller may go on; the worker still finishes the op (failover's confirmation)
+            if not fut.done():
+                fut.set_result(None)
+
+        def settle(exc: TransportError) -> None:
+            if not fut.done():
+                fut.set_exception(exc)
+                return
+            # Too late for this op's caller: the next op of this worker reports it, and it is printed now.
+            self._deferred[key] = exc
+            warnings.warn(f"{exc} (after the operation had completed for the caller)", RuntimeWarning, stacklevel=2)
+
+        def job() -> None:
+            try:
+                try:
+                    earlier = self._deferred.pop(key, None)
+                    if earlier is not None:
+                        raise TransportError(f"{op.describe()} not started: an earlier transfer with this peer "
+                                             f"failed after completing: {earlier}")
+                    d = Deadline(op, self.timeout, self.diagnose)
+                    d.release = release
+                    value = body(d)
+                finally:  # every Gloo op of this job is posted (and waited for): the fast path may post again
+                    with self._lock:
+                        self._queued[key] -= 1
+                if not fut.done():
+                    fut.set_result(value)
+            except TransportError as exc:
+                settle(exc)
+            except Exception as exc:  # a Gloo or torch error: name the op, keep the cause's first line
+                settle(TransportError(f"{op.describe()} failed: {str(exc).splitlines()[0]}"))
+
+        with self._lock:
+            self._queued[key] = self._queued.get(key, 0) + 1
+        self._worker(key).submit(job)
+        return make_work(fut)
+
+    def direct(self, key: Any) -> bool:
+        """Whether an op on ``key`` may be posted on the caller's thread: nothing of that key still waits on its
+        worker to be posted (Gloo matches a pair's messages in posting order), and no late error is pending."""
+        with self._lock:
+            return not self._queued.get(key) and key not in self._deferred
+
+    def stop(self) -> None:
+        with self._lock:
+            workers, self._workers = list(self._workers.values()), {}
+        for w in workers:
+            w.stop(timeout=5.0)
 
 
 class DirectWork(dist.Work):

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bimetal.comm.base import BimetalProcessGroup, OpRecord, TransportError, check_dtype, completed_work, make_work
+from bimetal.comm.base import BimetalProcessGroup, OpRecord, TransportError, completed_work, make_work
 from bimetal.comm.device_direct.engine import Engine
 from bimetal.comm.device_direct.notes import check_record
 from bimetal.comm.device_direct.options import DeviceDirectSettings
@@ -80,12 +80,10 @@ class DeviceDirectProcessGroup(BimetalProcessGroup):
 
     # -- point to point -----------------------------------------------------------------------------------
 
-    def _p2p(self, kind: str, tensors: list[torch.Tensor], peer: int, tag: int) -> dist.Work:
-        rec = self._begin(kind, peer)
+    def _p2p(self, rec: OpRecord, kind: str, tensors: list[torch.Tensor], peer: int, tag: int) -> dist.Work:
         if len(tensors) != 1:
             raise self.unsupported(kind, f"{len(tensors)} tensors (exactly one is supported)")
         (tensor,) = tensors
-        check_dtype(rec, tensor)
         if not 0 <= peer < self._size or peer == self._rank:
             raise TransportError(f"{rec.describe()}: peer must be another group rank (0..{self._size - 1})")
         if not tensor.is_contiguous():
@@ -106,11 +104,12 @@ class DeviceDirectProcessGroup(BimetalProcessGroup):
 
         return fut.then(account)
 
-    def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int = 0) -> dist.Work:  # noqa: N803
-        return self._p2p("send", tensors, dstRank, tag)
+    # (the base's template method has begun the op and checked the dtypes: ``bimetal.comm.base``)
+    def _do_send(self, rec: OpRecord, tensors: list[torch.Tensor], peer: int, tag: int) -> dist.Work:
+        return self._p2p(rec, "send", tensors, peer, tag)
 
-    def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int = 0) -> dist.Work:  # noqa: N803
-        return self._p2p("recv", tensors, srcRank, tag)
+    def _do_recv(self, rec: OpRecord, tensors: list[torch.Tensor], peer: int, tag: int) -> dist.Work:
+        return self._p2p(rec, "recv", tensors, peer, tag)
 
     # -- the few collectives a pp group sees, over point to point -------------------------------------------
 
@@ -118,12 +117,10 @@ class DeviceDirectProcessGroup(BimetalProcessGroup):
         for f in futs:
             f.wait()
 
-    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:  # type: ignore[override]
-        rec = self._begin("broadcast")
+    def _do_broadcast(self, rec: OpRecord, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
         root = getattr(opts, "rootRank", 0)
         with self._lock:
             for t in tensors:
-                check_dtype(rec, t)
                 if self._rank == root:
                     self._wait(rec, [self._submit(rec, "send", t, p, _BCAST_TAG) for p in range(self._size)
                                      if p != root])
@@ -131,15 +128,13 @@ class DeviceDirectProcessGroup(BimetalProcessGroup):
                     self._wait(rec, [self._submit(rec, "recv", t, root, _BCAST_TAG)])
         return completed_work(tensors)
 
-    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:  # type: ignore[override]
-        rec = self._begin("allreduce")
+    def _do_allreduce(self, rec: OpRecord, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
         op = getattr(opts, "reduceOp", dist.ReduceOp.SUM)
         reduce = next((fn for k, fn in _REDUCE.items() if op == k), None)
         if reduce is None:
-            raise self.unsupported("allreduce", f"reduce op {op}")
+            raise self.unsupported("all_reduce", f"reduce op {op}")
         with self._lock:
             for t in tensors:
-                check_dtype(rec, t)
                 if self._rank == 0:  # gather to group rank 0 in rank order (deterministic), reduce, send back
                     parts = [torch.empty_like(t) for _ in range(1, self._size)]
                     self._wait(rec, [self._submit(rec, "recv", b, p + 1, _REDUCE_TAG) for p, b in enumerate(parts)])
@@ -153,9 +148,8 @@ class DeviceDirectProcessGroup(BimetalProcessGroup):
                     self._wait(rec, [self._submit(rec, "recv", t, 0, _REDUCE_TAG)])
         return completed_work(tensors)
 
-    def barrier(self, opts: Any = None) -> dist.Work:
+    def _do_barrier(self, rec: OpRecord, opts: Any) -> dist.Work:
         token = torch.zeros(1, dtype=torch.int32, device=self.proxy.device)
-        rec = self._begin("barrier")
         with self._lock:
             if self._rank == 0:
                 self._wait(rec, [self._submit(rec, "recv", torch.empty_like(token), p, _BARRIER_TAG)

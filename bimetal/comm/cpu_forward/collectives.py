@@ -1,0 +1,239 @@
+"""cpu-forward's collectives: each one a Gloo op on the stripes, run on the group's collective worker in issue
+order (the same on every rank).
+
+CPU tensors go to Gloo as they are (a contiguous host stand-in for a strided or device one). Device tensors
+(or CPU ones with ``BIMETAL_CF_FORCE_STAGING=1``) run in rounds through the pinned pool (``rounds``,
+``staged_ops``), except all-to-all with uneven splits and the coalesced all-gather of lists, which stage whole
+tensors per call. Element-wise ops on large tensors are split over the stripes. Collectives do not fail over:
+on a degraded stripe they fail with an error saying so. Each function is the group's ``_do_<op>``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import (
+    AllgatherOptions,
+    AllreduceOptions,
+    AllToAllOptions,
+    BarrierOptions,
+    BroadcastOptions,
+    GatherOptions,
+    ReduceOptions,
+    ReduceScatterOptions,
+    ScatterOptions,
+)
+
+from bimetal.comm.base import OpRecord
+from bimetal.comm.cpu_forward import rounds
+from bimetal.comm.cpu_forward import staged_ops as so
+from bimetal.comm.cpu_forward.work import Deadline
+from bimetal.comm.staging import capture, copy_to_device, is_device
+
+if TYPE_CHECKING:
+    from bimetal.comm.cpu_forward.pg import CpuForwardProcessGroup
+
+Host = Callable[[torch.Tensor], torch.Tensor]
+StagedPlan = Callable[[Host, so.Stripe], list[rounds.Staged]]
+
+
+def run(pg: CpuForwardProcessGroup, op: OpRecord, ins: list[torch.Tensor], outs: list[torch.Tensor],
+        call: Callable[[Host], list[Any]], staged: StagedPlan | None = None) -> dist.Work:
+    """Run ``call(host)`` on the collective worker; ``host(t)`` is t's host (contiguous) stand-in. With device
+    tensors (or staging forced), ``staged(flat, stripe)`` instead: the op in rounds through the pool."""
+    if staged is not None and pg.stages(*ins, *outs):
+        return pg.workers.submit("collective", op, _staged_body(pg, ins, outs, staged))
+
+    def body(d: Deadline) -> list[torch.Tensor]:  # returns the outputs: the future's value, like NCCL's
+        stand_in: dict[int, torch.Tensor] = {}
+        in_ids = {id(t) for t in ins}
+
+        def host(t: torch.Tensor) -> torch.Tensor:
+            if id(t) not in stand_in:
+                if not is_device(t) and t.is_contiguous():
+                    stand_in[id(t)] = t
+                elif id(t) in in_ids:
+                    stand_in[id(t)] = t.detach().to("cpu", copy=True).contiguous()
+                else:
+                    stand_in[id(t)] = torch.empty(t.shape, dtype=t.dtype)
+            return stand_in[id(t)]
+
+        for w in call(host):
+            d.wait(w)
+        nbytes = 0
+        for t in outs:
+            h = stand_in.get(id(t))
+            if h is not None and h is not t:
+                t.copy_(h)
+                nbytes += h.numel() * h.element_size()
+        nbytes += sum(t.numel() * t.element_size() for t in ins if is_device(t))
+        pg.counters.add(bytes_staged=nbytes)
+        return list(outs)
+
+    return pg.workers.submit("collective", op, body)
+
+
+def _staged_body(pg: CpuForwardProcessGroup, ins: list[torch.Tensor], outs: list[torch.Tensor],
+                 staged: StagedPlan) -> Callable[[Deadline], list[torch.Tensor]]:
+    """On the caller's thread: flat contiguous views (a contiguous copy, made on the producer's stream, for a
+    strided tensor) and the producer's event; the returned body runs the rounds on the worker."""
+    flat: dict[int, torch.Tensor] = {}
+    for t in (*ins, *outs):
+        if id(t) not in flat:
+            if t.is_contiguous():
+                flat[id(t)] = t.detach().view(-1)
+            elif any(t is i for i in ins):
+                flat[id(t)] = t.detach().contiguous().view(-1)
+            else:
+                flat[id(t)] = torch.empty(t.numel(), dtype=t.dtype, device=t.device)
+    ready = capture([*ins, *outs])
+    device = (ins or outs)[0].device
+
+    def body(d: Deadline) -> list[torch.Tensor]:
+        streams = pg.streams.pair(device)
+        ops = staged(lambda t: flat[id(t)], lambda i: pg.stripe(i % len(pg.stripes)))
+        nbytes = sum(rounds.run(s, pg.pool, streams, ready, d, pg.timeout) for s in ops)
+        for t in outs:
+            if not t.is_contiguous():
+                copy_to_device(flat[id(t)].view(t.shape), t, streams[1]).synchronize()  # type: ignore[attr-defined]
+        pg.counters.add(bytes_staged=nbytes)
+        return list(outs)
+
+    return body
+
+
+def _parts(pg: CpuForwardProcessGroup, h: torch.Tensor) -> list[torch.Tensor]:
+    """An element-wise op's tensor split over the stripes (large tensors only)."""
+    k = len(pg.stripes)
+    if k == 1 or h.numel() * h.element_size() < 2 * pg.options.chunk_bytes:
+        return [h]
+    return [p for p in h.view(-1).tensor_split(k) if p.numel()]
+
+
+def _with(options: Any, **fields: Any) -> Any:
+    """A fresh torch options object with ``fields`` set (Gloo gets its own, never the caller's)."""
+    o = options()
+    for name, value in fields.items():
+        setattr(o, name, value)
+    return o
+
+
+def allreduce(pg: CpuForwardProcessGroup, op: OpRecord, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
+    def call(host: Host) -> list[Any]:
+        return [pg.stripe(i).allreduce([part], _with(AllreduceOptions, reduceOp=opts.reduceOp))
+                for t in tensors for i, part in enumerate(_parts(pg, host(t)))]
+
+    return run(pg, op, tensors, tensors, call, lambda f, st: [so.allreduce(f(t), st, opts.reduceOp) for t in tensors])
+
+
+def broadcast(pg: CpuForwardProcessGroup, op: OpRecord, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
+    root = opts.rootRank
+
+    def call(host: Host) -> list[Any]:
+        return [pg.stripe(i).broadcast([part], _with(BroadcastOptions, rootRank=root))
+                for t in tensors for i, part in enumerate(_parts(pg, host(t)))]
+
+    return run(pg, op, tensors if pg.rank() == root else [], tensors, call,
+               lambda f, st: [so.broadcast(f(t), st, root, pg.rank()) for t in tensors])
+
+
+def allgather(pg: CpuForwardProcessGroup, op: OpRecord, output_lists: list[list[torch.Tensor]],
+              inputs: list[torch.Tensor], opts: Any) -> dist.Work:
+    outs = [t for lst in output_lists for t in lst]
+    return run(pg, op, inputs, outs, lambda h: [pg.stripe(0).allgather(
+        [[h(t) for t in lst] for lst in output_lists], [h(t) for t in inputs], AllgatherOptions())],
+        lambda f, st: [so.all_gather([f(o) for o in lst], f(i), st) for lst, i in zip(output_lists, inputs)])
+
+
+def allgather_coalesced(pg: CpuForwardProcessGroup, op: OpRecord, output_lists: list[list[torch.Tensor]],
+                        inputs: list[torch.Tensor], opts: Any) -> dist.Work:
+    outs = [t for lst in output_lists for t in lst]
+    return run(pg, op, inputs, outs, lambda h: [pg.stripe(0).allgather_coalesced(
+        [[h(t) for t in lst] for lst in output_lists], [h(t) for t in inputs], AllgatherOptions())])
+
+
+def all_gather_into(pg: CpuForwardProcessGroup, op: OpRecord, output: torch.Tensor, input: torch.Tensor,
+                    opts: Any) -> dist.Work:
+    return run(pg, op, [input], [output], lambda h: [
+        pg.stripe(0)._allgather_base(h(output), h(input), AllgatherOptions())],
+        lambda f, st: [so.all_gather_into(f(output), f(input), st, pg.size())])
+
+
+def all_gather_into_coalesced(pg: CpuForwardProcessGroup, op: OpRecord, outputs: list[torch.Tensor],
+                              inputs: list[torch.Tensor], opts: Any) -> dist.Work:
+    return run(pg, op, inputs, outputs, lambda h: [
+        pg.stripe(0)._allgather_base(h(o), h(i), AllgatherOptions()) for o, i in zip(outputs, inputs)],
+        lambda f, st: [so.all_gather_into(f(o), f(i), st, pg.size()) for o, i in zip(outputs, inputs)])
+
+
+def reduce_scatter(pg: CpuForwardProcessGroup, op: OpRecord, outputs: list[torch.Tensor],
+                   input_lists: list[list[torch.Tensor]], opts: Any) -> dist.Work:
+    ins = [t for lst in input_lists for t in lst]
+    return run(pg, op, ins, outputs, lambda h: [pg.stripe(0).reduce_scatter(
+        [h(t) for t in outputs], [[h(t) for t in lst] for lst in input_lists],
+        _with(ReduceScatterOptions, reduceOp=opts.reduceOp))], lambda f, st: [
+        so.reduce_scatter(f(o), [f(t) for t in lst], st, opts.reduceOp) for o, lst in zip(outputs, input_lists)])
+
+
+def reduce_scatter_into(pg: CpuForwardProcessGroup, op: OpRecord, output: torch.Tensor, input: torch.Tensor,
+                        opts: Any) -> dist.Work:
+    return run(pg, op, [input], [output], lambda h: [pg.stripe(0)._reduce_scatter_base(
+        h(output), h(input), _with(ReduceScatterOptions, reduceOp=opts.reduceOp))], lambda f, st: [
+        so.reduce_scatter_into(f(output), f(input), st, pg.size(), opts.reduceOp)])
+
+
+def reduce_scatter_into_coalesced(pg: CpuForwardProcessGroup, op: OpRecord, outputs: list[torch.Tensor],
+                                  inputs: list[torch.Tensor], opts: Any) -> dist.Work:
+    return run(pg, op, inputs, outputs, lambda h: [pg.stripe(0)._reduce_scatter_base(
+        h(out), h(inp), _with(ReduceScatterOptions, reduceOp=opts.reduceOp)) for out, inp in zip(outputs, inputs)],
+        lambda f, st: [so.reduce_scatter_into(f(o), f(i), st, pg.size(), opts.reduceOp)
+                       for o, i in zip(outputs, inputs)])
+
+
+def alltoall_single(pg: CpuForwardProcessGroup, op: OpRecord, output: torch.Tensor, input: torch.Tensor,
+                    output_split_sizes: list[int], input_split_sizes: list[int], opts: Any) -> dist.Work:
+    size = pg.size()
+    equal = all(len(set(s)) <= 1 for s in (output_split_sizes, input_split_sizes)) and \
+        input.numel() % size == 0 and output.numel() == input.numel()
+    return run(pg, op, [input], [output], lambda h: [pg.stripe(0).alltoall_base(
+        h(output), h(input), output_split_sizes, input_split_sizes, AllToAllOptions())],
+        (lambda f, st: [so.all_to_all_equal(f(output), f(input), st, size)]) if equal else None)
+
+
+def alltoall(pg: CpuForwardProcessGroup, op: OpRecord, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+             opts: Any) -> dist.Work:
+    equal = len({t.numel() for t in (*inputs, *outputs)}) == 1
+    return run(pg, op, inputs, outputs, lambda h: [pg.stripe(0).alltoall(
+        [h(t) for t in outputs], [h(t) for t in inputs], AllToAllOptions())],
+        (lambda f, st: [so.all_to_all([f(t) for t in outputs], [f(t) for t in inputs], st)]) if equal else None)
+
+
+def barrier(pg: CpuForwardProcessGroup, op: OpRecord, opts: Any) -> dist.Work:
+    return run(pg, op, [], [], lambda h: [pg.stripe(0).barrier(BarrierOptions())])
+
+
+def scatter(pg: CpuForwardProcessGroup, op: OpRecord, outputs: list[torch.Tensor],
+            input_lists: list[list[torch.Tensor]], opts: Any) -> dist.Work:
+    ins = [t for lst in input_lists for t in lst]
+    return run(pg, op, ins, outputs, lambda h: [pg.stripe(0).scatter(
+        [h(t) for t in outputs], [[h(t) for t in lst] for lst in input_lists],
+        _with(ScatterOptions, rootRank=opts.rootRank))], lambda f, st: [
+        so.scatter(f(outputs[0]), [f(t) for t in ins], st, opts.rootRank, pg.size())])
+
+
+def gather(pg: CpuForwardProcessGroup, op: OpRecord, output_lists: list[list[torch.Tensor]],
+           inputs: list[torch.Tensor], opts: Any) -> dist.Work:
+    outs = [t for lst in output_lists for t in lst]
+    return run(pg, op, inputs, outs, lambda h: [pg.stripe(0).gather(
+        [[h(t) for t in lst] for lst in output_lists], [h(t) for t in inputs],
+        _with(GatherOptions, rootRank=opts.rootRank))], lambda f, st: [
+        so.gather([f(t) for t in outs], f(inputs[0]), st, opts.rootRank, pg.size())])
+
+
+def reduce(pg: CpuForwardProcessGroup, op: OpRecord, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
+    return run(pg, op, tensors, tensors, lambda h: [pg.stripe(0).reduce([h(t) for t in tensors], _with(
+        ReduceOptions, reduceOp=opts.reduceOp, rootRank=opts.rootRank, rootTensor=opts.rootTensor))], lambda f, st: [
+        so.reduce(f(t), st, opts.reduceOp, opts.rootRank) for t in tensors])

@@ -1,0 +1,215 @@
+"""cpu-forward's point-to-point paths, chosen per message by ``send`` / ``recv``:
+
+* one stripe, a CPU tensor, nothing of that direction and peer queued: the fast path, posted to Gloo on the
+  caller's thread and waited for there (``work.DirectWork``); queued behind earlier ops, the same on the worker;
+* one stripe, a device tensor (or staging forced): the staged chunk pipeline (``pipeline``) on the worker;
+* K > 1 stripes: a failover transfer (``failover.Transfer``) over the chunk sources and sinks of ``chunks``,
+  host tensors sent from or received into in place, device tensors staged chunk by chunk.
+
+A host message carries its CRC32 as one more chunk when checksums are on (``BIMETAL_CF_CHECKSUM=1``).
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from bimetal.comm.base import OpRecord, TransportError
+from bimetal.comm.cpu_forward import pipeline
+from bimetal.comm.cpu_forward.chunks import HostChunks, StagedRecv, StagedSend
+from bimetal.comm.cpu_forward.work import Deadline, DirectWork
+from bimetal.comm.staging import after, capture
+
+if TYPE_CHECKING:
+    from bimetal.comm.cpu_forward.pg import CpuForwardProcessGroup
+
+
+def send(pg: CpuForwardProcessGroup, op: OpRecord, tensors: list[torch.Tensor], dst: int, tag: int) -> dist.Work:
+    (tensor,) = tensors
+    key = ("send", dst)
+    if len(pg.stripes) > 1:
+        turn = pg.turn("send", dst)
+        ready = capture([tensor])
+        return pg.workers.submit(key, op, lambda d: _send_failover(pg, tensor, dst, tag, turn, d, ready))
+    if pg.stages(tensor):
+        ready = capture([tensor])
+        return pg.workers.submit(key, op, lambda d: pipeline.send_staged(pg, tensor, dst, tag, 0, d, ready))
+    flat = tensor if tensor.is_contiguous() else tensor.contiguous()  # (Gloo reads the bytes; any shape)
+    if pg.workers.direct(key):  # the fast path: posted here, waited for by the caller (work.py)
+        return _post_direct(pg, op, lambda: _post_send_host(pg, flat, dst, tag))
+    return pg.workers.submit(key, op, lambda d: _wait_all(d, *_post_send_host(pg, flat, dst, tag)))
+
+
+def recv(pg: CpuForwardProcessGroup, op: OpRecord, tensors: list[torch.Tensor], src: int, tag: int) -> dist.Work:
+    (tensor,) = tensors
+    key = ("recv", src)
+    if len(pg.stripes) > 1:
+        turn = pg.turn("recv", src)
+        ready = capture([tensor])
+        return pg.workers.submit(key, op, lambda d: _recv_failover(pg, tensor, src, tag, turn, d, ready))
+    if pg.stages(tensor):
+        ready = capture([tensor])
+        return pg.workers.submit(key, op, lambda d: pipeline.recv_staged(pg, tensor, src, tag, 0, d, ready))
+    if pg.workers.direct(key):
+        return _post_direct(pg, op, lambda: _post_recv_host(pg, tensor, src, tag, op))
+    return pg.workers.submit(key, op, lambda d: _wait_all(d, *_post_recv_host(pg, tensor, src, tag, op)))
+
+
+def crc32(data: torch.Tensor) -> torch.Tensor:
+    raw = data.contiguous().reshape(-1).view(torch.uint8).numpy()
+    return torch.tensor([zlib.crc32(raw)], dtype=torch.int64)  # type: ignore[arg-type]
+
+
+def _payload(pg: CpuForwardProcessGroup, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The bytes a host send puts on the wire, with their CRC when checksums are on."""
+    data = flat.view(torch.uint8) if flat.dtype is torch.bool else flat
+    return data, crc32(data) if pg.checksum else None
+
+
+# --- K > 1: failover (failover.py) -------------------------------------------------------------------------
+def _send_failover(pg: CpuForwardProcessGroup, tensor: torch.Tensor, dst: int, tag: int, turn: int, d: Deadline,
+                   ready: object | None = None) -> None:
+    key = ("send", dst)
+    flat = tensor.detach().reshape(-1) if tensor.is_contiguous() else tensor.detach().contiguous().view(-1)
+    if pg.stages(flat):
+        stream = pg.streams.pair(flat.device)[0]
+        after(stream, ready)
+        t, ranges = pg.failover.transfer(key, tag, turn, flat, d, pg.depth())
+        io = StagedSend(flat, ranges, pg.pool, stream, pg.timeout, pg.pool_numel(flat), [j for j, _ in t.plan],
+                        pg.depth())
+        try:
+            t.send(io)
+        finally:
+            io.close()
+        pg.failover.settled(key, t)
+        pg.counters.add(bytes_sent=flat.numel() * flat.element_size(), bytes_staged=flat.numel() * flat.element_size())
+        return
+    data, crc = _payload(pg, flat)
+    nbytes = data.numel() * data.element_size()
+    # Up to one chunk, a pooled copy lets the caller go on once the data is on the wire, while the worker
+    # waits for the receiver's confirmation (and re-sends from the copy): pipeline traffic keeps its latency.
+    keep = pg.pool.take(data.dtype, pg.pool_numel(data), pg.timeout) \
+        if 0 < nbytes <= pg.options.chunk_bytes else None
+    if keep is not None:
+        data = keep[:data.numel()].copy_(data)
+    t, ranges = pg.failover.transfer(key, tag, turn, data, d, 1 << 30, crc is not None)
+    try:
+        t.send(HostChunks(data, ranges, crc), d.release if keep is not None else None)
+    finally:
+        if keep is not None:
+            pg.pool.give(keep)
+    pg.failover.settled(key, t)
+    pg.counters.add(bytes_sent=nbytes, bytes_direct=nbytes)
+
+
+def _recv_failover(pg: CpuForwardProcessGroup, tensor: torch.Tensor, src: int, tag: int, turn: int, d: Deadline,
+                   ready: object | None = None) -> None:
+    key = ("recv", src)
+    if pg.stages(tensor):
+        stream = pg.streams.pair(tensor.device)[1]
+        after(stream, ready)
+        out = tensor.detach().view(-1) if tensor.is_contiguous() else torch.empty_like(tensor).view(-1)
+        t, ranges = pg.failover.transfer(key, tag, turn, out, d, pg.depth())
+        staged = StagedRecv(out, ranges, pg.pool, stream, pg.timeout, pg.depth(), pg.pool_numel(out))
+
+        def complete_staged() -> None:
+            staged.finish()
+            if not tensor.is_contiguous():
+                tensor.detach().copy_(out.view(tensor.shape))
+            pg.counters.add(bytes_received=out.numel() * out.element_size(),
+                            bytes_staged=out.numel() * out.element_size())
+            d.release()
+
+        t.recv(staged, None, complete_staged)
+        pg.failover.settled(key, t)
+        return
+    direct = tensor.is_contiguous()
+    target = tensor.view(-1) if direct else torch.empty(tensor.numel(), dtype=tensor.dtype)
+    data = target.view(torch.uint8) if target.dtype == torch.bool else target
+    t, ranges = pg.failover.transfer(key, tag, turn, data, d, 1 << 30, pg.checksum)
+    crc = torch.zeros(1, dtype=torch.int64) if pg.checksum else None
+    verify = (lambda: int(crc.item()) == int(crc32(data).item())) if crc is not None else None
+
+    def complete() -> None:  # every byte is in (and checked): the caller may go on; the status follows
+        if not direct:
+            tensor.copy_(target.view(tensor.shape))
+        pg.counters.add(bytes_received=data.numel() * data.element_size(),
+                        bytes_direct=data.numel() * data.element_size())
+        d.release()
+
+    t.recv(HostChunks(data, ranges, crc), verify, complete)
+    pg.failover.settled(key, t)
+
+
+# --- K = 1, host tensors ------------------------------------------------------------------------------------
+def _post_direct(pg: CpuForwardProcessGroup, op: OpRecord,
+                 post: Callable[[], tuple[list[Any], Callable[[], None]]]) -> dist.Work:
+    end = time.monotonic() + pg.timeout_s
+
+    def deadline() -> Deadline:
+        return Deadline(op, pg.timeout, pg.diagnose)
+
+    try:
+        works, finish = post()
+    except RuntimeError as exc:  # Gloo refuses to post (a closed pair): the caller's wait() reports it
+        return DirectWork([], op, end, deadline,
+                          error=TransportError(f"{op.describe()} failed: {str(exc).splitlines()[0]}"))
+    return DirectWork(works, op, end, deadline, finish)
+
+
+def _host_chunks(pg: CpuForwardProcessGroup, data: torch.Tensor) -> list[torch.Tensor]:
+    """``data`` whole when it fits one chunk (no reshape, no slice: each costs microseconds), else its chunks."""
+    if data.numel() * data.element_size() <= pg.options.chunk_bytes:
+        return [data]
+    flat = data.reshape(-1)
+    return [flat[a:b] for a, b, _ in pg.plan(flat.numel(), flat.element_size(), 0)]
+
+
+def _wait_all(d: Deadline, works: list[Any], finish: Callable[[], None]) -> None:
+    for w in works:
+        d.wait(w)
+    finish()
+
+
+def _post_send_host(pg: CpuForwardProcessGroup, flat: torch.Tensor, dst: int, tag: int
+                    ) -> tuple[list[Any], Callable[[], None]]:
+    """Post a CPU tensor's chunks (and CRC) to Gloo; ``finish`` counts it once they completed."""
+    data, crc = _payload(pg, flat)
+    stripe = pg.stripes[0]
+    works = [stripe.send([part], dst, tag) for part in _host_chunks(pg, data)]
+    if crc is not None:
+        works.append(stripe.send([crc], dst, tag))
+    nbytes = data.numel() * data.element_size()
+
+    def finish() -> None:  # (with one stripe, bytes_stripe0 is derived in comm_stats: one lock less per op)
+        pg.counters.add(bytes_sent=nbytes, bytes_direct=nbytes)
+
+    return works, finish
+
+
+def _post_recv_host(pg: CpuForwardProcessGroup, tensor: torch.Tensor, src: int, tag: int, op: OpRecord
+                    ) -> tuple[list[Any], Callable[[], None]]:
+    direct = tensor.is_contiguous()
+    target = tensor if direct else torch.empty(tensor.shape, dtype=tensor.dtype)
+    data = target.view(torch.uint8) if target.dtype is torch.bool else target
+    stripe = pg.stripes[0]
+    works = [stripe.recv([part], src, tag) for part in _host_chunks(pg, data)]
+    crc = torch.zeros(1, dtype=torch.int64) if pg.checksum else None
+    if crc is not None:
+        works.append(stripe.recv([crc], src, tag))
+
+    def finish() -> None:
+        if crc is not None and int(crc.item()) != int(crc32(data).item()):
+            raise TransportError(f"{op.describe()}: checksum mismatch, the data was corrupted in transit "
+                                 "(not used)")
+        if not direct:
+            tensor.copy_(target)
+        nbytes = data.numel() * data.element_size()
+        pg.counters.add(bytes_received=nbytes, bytes_direct=nbytes)
+
+    return works, finish

@@ -1,0 +1,82 @@
+"""Point-to-point of one stripe on staged tensors (device tensors, or CPU ones with staging forced): the chunk I/O
+of ``chunks`` (the same staged sources and sinks failover uses with K stripes) driven in order by ``pump``,
+``depth`` chunks on the wire, the device-to-host copies of later chunks queued while earlier ones are on the wire
+(send), each arrival copied to the device while later chunks still arrive (receive). ``pg`` is the
+``CpuForwardProcessGroup``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from bimetal.comm.cpu_forward.chunks import StagedRecv, StagedSend
+from bimetal.comm.cpu_forward.work import Deadline
+from bimetal.comm.staging import after
+
+if TYPE_CHECKING:
+    from bimetal.comm.cpu_forward.pg import CpuForwardProcessGroup
+
+
+def pump(io: StagedSend | StagedRecv, plan: list[tuple[int, int]], post: Callable[[int, torch.Tensor], Any],
+         d: Deadline, depth: int) -> None:
+    """Post the chunks of ``plan`` ((chunk, stripe), in order) with ``post(stripe, buffer)``, at most ``depth`` in
+    flight, each released to ``io`` once its op completed. Never waits for the pool while holding chunks on
+    the wire: it waits for the oldest of them instead."""
+    inflight: deque[tuple[Any, int, torch.Tensor]] = deque()
+
+    def retire() -> None:
+        work, j, buf = inflight.popleft()
+        d.wait(work)
+        io.release(j, buf, True)
+
+    for j, s in plan:
+        if len(inflight) >= depth:
+            retire()
+        buf = io.try_buffer(j)
+        while buf is None and inflight:
+            retire()
+            buf = io.try_buffer(j)
+        if buf is None:  # nothing of ours on the wire: wait for the pool
+            buf = io.buffer(j)
+        inflight.append((post(s, buf), j, buf))
+    while inflight:
+        retire()
+
+
+def send_staged(pg: CpuForwardProcessGroup, tensor: torch.Tensor, dst: int, tag: int, first: int, d: Deadline,
+                ready: object | None = None) -> None:
+    flat = tensor.detach().reshape(-1)
+    d2h, _ = pg.streams.pair(tensor.device)
+    after(d2h, ready)
+    plan = pg.plan(flat.numel(), flat.element_size(), first)
+    depth = pg.depth()
+    io = StagedSend(flat, [(a, b) for a, b, _ in plan], pg.pool, d2h, pg.timeout, pg.pool_numel(flat),
+                    list(range(len(plan))), depth)
+    try:
+        pump(io, [(j, s) for j, (_, _, s) in enumerate(plan)], lambda s, buf: pg.stripes[s].send([buf], dst, tag),
+             d, depth)
+    finally:
+        io.close()
+    nbytes = flat.numel() * flat.element_size()
+    pg.counters.add(bytes_sent=nbytes, bytes_staged=nbytes)
+
+
+def recv_staged(pg: CpuForwardProcessGroup, tensor: torch.Tensor, src: int, tag: int, first: int, d: Deadline,
+                ready: object | None = None) -> None:
+    out = tensor.detach().view(-1) if tensor.is_contiguous() else torch.empty_like(tensor).view(-1)
+    _, h2d = pg.streams.pair(tensor.device)
+    after(h2d, ready)
+    plan = pg.plan(out.numel(), out.element_size(), first)
+    depth = pg.depth()
+    io = StagedRecv(out, [(a, b) for a, b, _ in plan], pg.pool, h2d, pg.timeout, depth, pg.pool_numel(out))
+    pump(io, [(j, s) for j, (_, _, s) in enumerate(plan)], lambda s, buf: pg.stripes[s].recv([buf], src, tag),
+         d, depth)
+    io.finish()
+    if not tensor.is_contiguous():
+        tensor.detach().copy_(out.view(tensor.shape))
+    nbytes = out.numel() * out.element_size()
+    pg.counters.add(bytes_received=nbytes, bytes_staged=nbytes)

@@ -39,6 +39,7 @@ debian-packages:
 lint: $(STAMP)
 	$(BIN)/ruff check bimetal tests scripts
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 test: $(STAMP) debian-packages lint
 	$(BIN)/python -m pytest -q tests

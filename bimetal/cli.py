@@ -10,25 +10,26 @@ import importlib
 import sys
 from collections.abc import Callable
 
-from bimetal.errors import JobAborted, UserError
-from bimetal.supervisor import report_outcome
+from bimetal.entry import run_command
+from bimetal.errors import UserError
 
 # command -> (module, function, one-line help). Each function takes argv and returns an exit status.
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "launch": ("bimetal.launch", "main", "start ranks on this machine (simulation, lab) via torch's launcher"),
-    "topo": ("bimetal.topology.cli", "main", "print the cluster view and the group table for a layout"),
+    "topo": ("bimetal.parallel.cli", "main", "print the cluster view and the group table for a layout"),
     "train": ("bimetal.train.cli", "main", "train LLaMA-3 / Qwen2 across vendors"),
     "plan": ("bimetal.plan.cli", "main", "rank layouts for a cluster spec with the cost model"),
     "profile": ("bimetal.plan.cli", "profile_main", "time model layers on the local device for the planner"),
     "titan": ("bimetal.integrations.torchtitan.cli", "main", "torchtitan's trainer across vendors"),
     "lab": ("bimetal.lab.cli", "main", "bring up an emulated multi-node cluster and run a job on it"),
-    "bench": ("bimetal.cli", "bench_main", "benchmarks: 'bench comm', 'bench ladder', 'bench train'"),
+    "bench": ("bimetal.bench.cli", "main", "benchmarks: 'bench comm', 'bench engine', 'bench ladder', 'bench train'"),
 }
 
-BENCHES: dict[str, tuple[str, str]] = {
-    "comm": ("bimetal.comm.bench", "main"),
-    "ladder": ("bimetal.lab.ladder", "main"),
-    "train": ("bimetal.train.bench", "main"),
+# (command, first argument) -> (module, function): sub-commands served by a package other than the command's
+# (the lab experiments of ``bimetal plan`` live in bimetal.bench, which plan must not import).
+SUBCOMMANDS: dict[tuple[str, str], tuple[str, str]] = {
+    ("plan", "calibrate"): ("bimetal.bench.calibrate", "main"),
+    ("plan", "ladder-check"): ("bimetal.bench.ladder_check", "main"),
 }
 
 
@@ -37,12 +38,6 @@ def _resolve(module: str, func: str) -> Callable[[list[str]], int]:
         return getattr(importlib.import_module(module), func)
     except (ImportError, AttributeError) as exc:
         raise UserError(f"this build of bimetal has no {module}.{func} ({exc})") from exc
-
-
-def bench_main(argv: list[str]) -> int:
-    if not argv or argv[0] not in BENCHES:
-        raise UserError(f"usage: bimetal bench {{{','.join(BENCHES)}}} [options]")
-    return _resolve(*BENCHES[argv[0]])(argv[1:])
 
 
 def _usage() -> str:
@@ -60,20 +55,10 @@ def main(argv: list[str] | None = None) -> int:
     if command not in COMMANDS:
         print(f"bimetal: unknown command {command!r}\n{_usage()}", file=sys.stderr)
         return 2
-    try:
-        module, func, _ = COMMANDS[command]
-        return int(_resolve(module, func)(rest) or 0)
-    except UserError as exc:
-        if not report_outcome(2, str(exc)):  # a rank of bimetal's launcher leaves the sentence to it
-            print(f"bimetal {command}: {exc}", file=sys.stderr)
-        return 2
-    except JobAborted as exc:
-        if not report_outcome(1, str(exc)):
-            print(f"bimetal {command}: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print(f"bimetal {command}: interrupted", file=sys.stderr)
-        return 130
+    module, func, _ = COMMANDS[command]
+    if (command, rest[0] if rest else "") in SUBCOMMANDS:
+        (module, func), rest = SUBCOMMANDS[command, rest[0]], rest[1:]
+    return run_command(command, lambda args: _resolve(module, func)(args), rest)
 
 
 if __name__ == "__main__":

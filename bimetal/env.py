@@ -36,7 +36,7 @@ def _integer(least: int, most: int | None = None) -> Check:
 
 def _size(least: int) -> Check:
     def check(name: str, raw: str) -> None:
-        from bimetal.comm.bench import parse_size
+        from bimetal.sizes import parse_size
 
         try:
             value = parse_size(raw)
@@ -66,7 +66,7 @@ def _choice(*allowed: str) -> Check:
 
 
 def _simulate(name: str, raw: str) -> None:
-    from bimetal.topology.vendor import parse_simulate
+    from bimetal.simulate import parse_simulate
 
     try:
         parse_simulate(raw)
@@ -207,7 +207,7 @@ def read_size(name: str, default: int) -> int:
     raw = os.environ.get(name, "")
     if raw == "":
         return default
-    from bimetal.comm.bench import parse_size
+    from bimetal.sizes import parse_size
 
     try:
         value = parse_size(raw)

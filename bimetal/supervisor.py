@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import json
+import logging
 import os
 import shutil
 import signal
@@ -34,6 +35,8 @@ from types import FrameType
 from typing import Any
 
 from bimetal.env import read as read_env
+
+_log = logging.getLogger(__name__)
 
 REPORT_ENV = "BIMETAL_LAUNCH_REPORT"
 """Folder where the ranks of a bimetal-launched attempt leave their outcome and last completed step."""
@@ -128,8 +131,8 @@ class RankSupervisor:
             for attempt in range(self.max_restarts + 1):
                 outcome = self._attempt(attempt, store.port, root / f"attempt{attempt}")
                 if outcome.restartable and attempt < self.max_restarts and self._signal is None:
-                    print(f"{self.name}: {outcome.lines[0].rstrip('.')}; restarting all {self.nproc} ranks "
-                          f"(restart {attempt + 1} of {self.max_restarts}).", file=sys.stderr, flush=True)
+                    _log.warning("%s: %s; restarting all %d ranks (restart %d of %d).", self.name,
+                                 outcome.lines[0].rstrip("."), self.nproc, attempt + 1, self.max_restarts)
                     continue
                 for line in outcome.lines:
                     print(f"{self.name}: {line}", file=sys.stderr, flush=True)

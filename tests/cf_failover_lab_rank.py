@@ -86,4 +86,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from launcher import rank_main
+
+    rank_main(main)

@@ -12,6 +12,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from launcher import rank_exit
 
 from bimetal.comm.hierarchical import all_reduce_gradients, hierarchical_all_reduce
 from bimetal.parallel import ParallelDims, init_parallel
@@ -41,3 +42,4 @@ if h is not None:
 with open(os.path.join(sys.argv[1], f"rank{ctx.rank}.json"), "w") as f:
     json.dump(result, f)
 ctx.destroy()
+rank_exit()

@@ -268,4 +268,6 @@ def run_table(transport: str, g: dist.ProcessGroup, kinds: set[str], ref: dist.P
 
 
 if __name__ == "__main__":
-    main()
+    from launcher import rank_main
+
+    rank_main(main)

@@ -3,26 +3,21 @@ the first rung of `bimetal plan --ladder`)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from launcher import bimetal
 
+from bimetal.config import load_config
 from bimetal.errors import UserError
-from bimetal.train.config import load_config
 
 pytestmark = pytest.mark.timeout(150)
 
 
 def test_homogeneous_gloo_puts_one_vendor_groups_on_gloo(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "BIMETAL_SIMULATE")}
-    env["OMP_NUM_THREADS"] = "1"
-    cmd = [sys.executable, "-m", "bimetal.cli", "train", "--simulate", "nvidia:2", "--model.flavour=debug",
-           "--parallel.dp=2", "--parallel.homogeneous_backend=gloo", "--training.steps=1",
-           f"--metrics.run_dir={tmp_path / 'run'}", "--checkpoint.every=0"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=140)
+    proc = bimetal("train", "--simulate", "nvidia:2", "--model.flavour=debug", "--parallel.dp=2",
+                   "--parallel.homogeneous_backend=gloo", "--training.steps=1", f"--metrics.run_dir={tmp_path / 'run'}",
+                   "--checkpoint.every=0", timeout=140)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines() if line.startswith("dp.")}
     # the simulated native back-end would be bimetal_sim_native here

@@ -10,28 +10,20 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from launcher import launch
 
 from bimetal.comm.cpu_forward.failover import MORE, Status, Transfer
 from bimetal.comm.striping import CpuForwardOptions
 from bimetal.errors import UserError
 
 HERE = Path(__file__).resolve().parent
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "BIMETAL_SIMULATE"):
-        env.pop(key, None)
-    return env
 
 
 def test_status_message_round_trips_and_rejects_what_does_not_fit() -> None:
@@ -70,9 +62,7 @@ def test_stall_option_from_env_and_default(monkeypatch: pytest.MonkeyPatch) -> N
 
 @pytest.mark.timeout(120)
 def test_loopback_stalled_stripe_fails_over_and_all_stalled_times_out(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "bimetal.cli", "launch", "--simulate", "nvidia:1,amd:1", "--",
-                           str(HERE / "cf_failover_rank.py"), str(tmp_path)], env=_env(), capture_output=True,
-                          text=True, timeout=100)
+    proc = launch("nvidia:1,amd:1", str(HERE / "cf_failover_rank.py"), str(tmp_path), timeout=100)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for rank in (0, 1):
         res = json.loads((tmp_path / f"rank{rank}.json").read_text())

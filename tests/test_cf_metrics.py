@@ -9,24 +9,17 @@ evenly between the two stripes.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
+from launcher import bimetal, clean_env
 
 
 @pytest.mark.timeout(200)
 def test_train_logs_staging_pool_stripe_and_failover_counters(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("BIMETAL_", "TORCHELASTIC"))}
-    env["BIMETAL_CF_STRIPES"] = "2"
     run = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "bimetal.cli", "train", "--config", "configs/demo.toml",
-                           "--simulate", "nvidia:1,amd:1", "--parallel.dp=1", "--training.steps=3",
-                           f"--metrics.run_dir={run}"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=180)
+    proc = bimetal("train", "--config", "configs/demo.toml", "--simulate", "nvidia:1,amd:1", "--parallel.dp=1",
+                   "--training.steps=3", f"--metrics.run_dir={run}", env=clean_env(BIMETAL_CF_STRIPES="2"), timeout=180)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]

@@ -6,29 +6,18 @@ Every op x dtype x stripe count is in the operation table shared by all transpor
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from launcher import launch
 
 HERE = Path(__file__).resolve().parent
 pytestmark = pytest.mark.timeout(240)
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "BIMETAL_SIMULATE"):
-        env.pop(key, None)
-    return env
-
-
 def test_torch_parallel_machinery_matches_gloo(tmp_path: Path) -> None:
     """DeviceMesh (backend_override) + DTensor redistribute, DDP, FSDP2 and 1F1B on cpu-forward vs Gloo."""
-    proc = subprocess.run([sys.executable, "-m", "bimetal.cli", "launch", "--simulate", "nvidia:1,amd:1", "--",
-                           str(HERE / "cf_parallel_rank.py"), str(tmp_path)], env=_env(), capture_output=True,
-                          text=True, timeout=200)
+    proc = launch("nvidia:1,amd:1", str(HERE / "cf_parallel_rank.py"), str(tmp_path), timeout=200)
     for r in (0, 1):
         results = json.loads((tmp_path / f"rank{r}.json").read_text())
         assert set(results) == {"dtensor", "ddp", "fsdp2", "pipeline_1f1b"}
@@ -45,9 +34,7 @@ def test_torch_parallel_machinery_matches_gloo(tmp_path: Path) -> None:
     ("corrupt", "group 'pp.dp0' recv #3 with peer 1: checksum mismatch, the data was corrupted in transit"),
 ])
 def test_dead_stalled_or_corrupting_peer_fails_within_the_timeout(mode: str, fragment: str, tmp_path: Path) -> None:
-    subprocess.run([sys.executable, "-m", "bimetal.cli", "launch", "--simulate", "nvidia:1,amd:1", "--",
-                    str(HERE / "cf_fault_rank.py"), str(tmp_path), mode], env=_env(), capture_output=True,
-                   text=True, timeout=120)
+    launch("nvidia:1,amd:1", str(HERE / "cf_fault_rank.py"), str(tmp_path), mode, timeout=120)
     result = json.loads((tmp_path / "rank0.json").read_text())
     assert result["error"] and fragment in result["error"], result
     assert result["elapsed"] < 6 + 30, result

@@ -8,23 +8,18 @@ with tokens/s median and spread, the transport, and bytes moved across vendors.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from launcher import bimetal
 
-ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(400)
 
 
 def test_demo_trains_300_steps_without_a_spike(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("BIMETAL_", "TORCHELASTIC"))}
     run = tmp_path / "demo"
-    proc = subprocess.run([sys.executable, "-m", "bimetal.cli", "train", "--config", "configs/demo.toml",
-                           "--simulate", "nvidia:2,amd:2", f"--metrics.run_dir={run}"],
-                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=380)
+    proc = bimetal("train", "--config", "configs/demo.toml", "--simulate", "nvidia:2,amd:2", f"--metrics.run_dir={run}",
+                   timeout=380)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     out = proc.stdout
     assert "pp.dp0" in out and "bimetal_cpu_forward" in out, out[:3000]

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from conftest import engine_unavailable
+from launcher import spawn
 from torch import nn
 
 pytestmark = [pytest.mark.timeout(120),
@@ -239,10 +239,7 @@ SCENARIOS = {"exchange": _exchange, "mismatch": _mismatch, "pipeline": _pipeline
 
 def _spawn(scenario: str, tmp_path: Path) -> list[dict]:
     store = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=timedelta(seconds=60), wait_for_workers=False)
-    ctx = mp.start_processes(_rank, args=(store.port, scenario, str(tmp_path)), nprocs=2, start_method="spawn",
-                             join=False)
-    while not ctx.join(timeout=100):
-        pass
+    spawn(_rank, (store.port, scenario, str(tmp_path)))
     return [json.loads(p.read_text()) for p in sorted(tmp_path.glob("r*.json"))]
 
 

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from bimetal.cli import main as bimetal_main
+from bimetal.config import TrainConfig, load_config
 from bimetal.plan.search import evaluate
 from bimetal.plan.spec import load_spec
-from bimetal.train.config import TrainConfig, load_config
 
 pytestmark = pytest.mark.timeout(120)
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,7 +9,6 @@ long. The in-process catalogue of bad inputs is ``test_bad_inputs.py``.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -21,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
+from launcher import clean_env
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = str(ROOT / "configs" / "demo.toml")
@@ -29,14 +29,8 @@ pytestmark = pytest.mark.timeout(180)
 TINY = ["--data.seq_len=32", "--data.batch_size=2", "--parallel.microbatches=2"]
 
 
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("BIMETAL_", "TORCHELASTIC")) and k not in (
-        "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    return {**env, "OMP_NUM_THREADS": "1", **extra}
-
-
 def _run(args: list[str], env: dict[str, str] | None = None, timeout: float = 150) -> subprocess.CompletedProcess:
-    return subprocess.run([BIMETAL, *args], env=env or _env(), cwd=ROOT, capture_output=True, text=True,
+    return subprocess.run([BIMETAL, *args], env=env or clean_env(), cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout)
 
 
@@ -101,7 +95,7 @@ def refusals(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[subpro
         args = build(folder)
         if args[0] == "train":
             args.append(f"--metrics.run_dir={folder / 'run'}")
-        return name, (_run(args, _env(**extra), timeout=120), folder / "run")
+        return name, (_run(args, clean_env(**extra), timeout=120), folder / "run")
 
     with ThreadPoolExecutor(3) as pool:
         return dict(pool.map(one, REFUSALS))
@@ -132,7 +126,8 @@ def test_an_error_only_a_rank_sees_is_one_sentence_from_the_launcher(tmp_path: P
     # the RDMA protocol without a verbs device is found by the ranks when they start their engines
     run_dir = tmp_path / "run"
     proc = _run(["train", "--simulate", "nvidia:1,amd:1", "--parallel.pp_transport=device-direct", "--training.steps=2",
-                 *TINY, f"--metrics.run_dir={run_dir}"], _env(BIMETAL_DD_PROTOCOL="rdma", BIMETAL_DD_FALLBACK="error"))
+                 *TINY, f"--metrics.run_dir={run_dir}"],
+                clean_env(BIMETAL_DD_PROTOCOL="rdma", BIMETAL_DD_FALLBACK="error"))
     _one_sentence(proc, "the device-direct engine could not start")
     assert not run_dir.exists(), sorted(run_dir.rglob("*"))
 
@@ -140,7 +135,7 @@ def test_an_error_only_a_rank_sees_is_one_sentence_from_the_launcher(tmp_path: P
 def test_device_direct_fallback_is_labelled_in_the_table_and_the_summary(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     proc = _run(["train", "--simulate", "nvidia:1,amd:1", "--parallel.pp_transport=device-direct", "--training.steps=2",
-                 *TINY, f"--metrics.run_dir={run_dir}"], _env(BIMETAL_DD_PROTOCOL="rdma",
+                 *TINY, f"--metrics.run_dir={run_dir}"], clean_env(BIMETAL_DD_PROTOCOL="rdma",
                                                               BIMETAL_DD_FALLBACK="cpu-forward"))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     table = proc.stdout.split("bimetal groups", 1)[1].split("step ", 1)[0]
@@ -154,7 +149,7 @@ def test_device_direct_fallback_is_labelled_in_the_table_and_the_summary(tmp_pat
 
 def test_a_rank_that_dies_is_named_with_its_vendor_signal_and_step(tmp_path: Path) -> None:
     proc = _run(["train", "--simulate", "nvidia:1,amd:1", "--training.steps=4", *TINY,
-                 f"--metrics.run_dir={tmp_path / 'run'}"], _env(BIMETAL_FAULT_KILL="1:2"))
+                 f"--metrics.run_dir={tmp_path / 'run'}"], clean_env(BIMETAL_FAULT_KILL="1:2"))
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-3000:]
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert lines[0] == "bimetal train: rank 1 (amd) was killed by SIGKILL after completing step 2; the job stopped.", \
@@ -166,8 +161,8 @@ def test_a_rank_that_dies_is_named_with_its_vendor_signal_and_step(tmp_path: Pat
 
 def test_sigterm_to_bimetal_train_stops_every_rank(tmp_path: Path) -> None:
     proc = subprocess.Popen([BIMETAL, "train", "--simulate", "nvidia:1,amd:1", "--training.steps=100000", *TINY,
-                             f"--metrics.run_dir={tmp_path / 'run'}"], env=_env(), cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                             f"--metrics.run_dir={tmp_path / 'run'}"], env=clean_env(), cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     ranks: list[psutil.Process] = []
     try:
         assert proc.stdout is not None

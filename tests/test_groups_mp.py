@@ -4,31 +4,18 @@ native back-end refusing a group that mixes vendors (as NCCL and RCCL cannot tal
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from launcher import bimetal, launch
 
 pytestmark = pytest.mark.timeout(120)
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "BIMETAL_SIMULATE"):
-        env.pop(key, None)
-    return env
-
-
-def _bimetal(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "bimetal.cli", *args], env=_env(), capture_output=True,
-                          text=True, timeout=100)
-
-
 def test_topo_creates_every_group_with_its_backend() -> None:
-    proc = _bimetal("topo", "--simulate", "nvidia:2,amd:2", "--pp", "2", "--dp", "2", "--pp-transport", "gloo")
+    proc = bimetal("topo", "--simulate", "nvidia:2,amd:2", "--pp", "2", "--dp", "2", "--pp-transport", "gloo",
+                   timeout=100)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines() if line.startswith(("pp.", "dp."))}
     assert rows["pp.dp0"][1:] == ["0,2", "nvidia,amd", "cross-vendor", "gloo"]
@@ -66,9 +53,7 @@ ctx.destroy()
 def test_every_rank_gets_its_classification_and_backend(simulate: str, pp: int, dp: int, tmp_path: Path) -> None:
     script = tmp_path / "rank.py"
     script.write_text(RANK_SCRIPT)
-    proc = subprocess.run([sys.executable, "-m", "bimetal.cli", "launch", "--simulate", simulate, "--",
-                           str(script), str(pp), str(dp), str(tmp_path)],
-                          env=_env(), capture_output=True, text=True, timeout=100)
+    proc = launch(simulate, str(script), str(pp), str(dp), str(tmp_path), timeout=100)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = {r["rank"]: r for r in (json.loads(p.read_text()) for p in tmp_path.glob("rank*.json"))}
     world = pp * dp
@@ -87,13 +72,13 @@ def test_every_rank_gets_its_classification_and_backend(simulate: str, pp: int, 
 
 
 def test_topo_refuses_an_impossible_layout_with_one_sentence() -> None:
-    proc = _bimetal("topo", "--simulate", "nvidia:3,amd:1", "--pp", "2", "--dp", "2", "--strict")
+    proc = bimetal("topo", "--simulate", "nvidia:3,amd:1", "--pp", "2", "--dp", "2", "--strict", timeout=100)
     assert proc.returncode != 0
     assert "strict mode: 2 stages of dp*tp = 2 ranks cannot each be one vendor" in proc.stdout + proc.stderr
 
 
 def test_bad_simulate_spec_is_one_sentence_and_exit_2() -> None:
-    proc = _bimetal("topo", "--simulate", "intel:2")
+    proc = bimetal("topo", "--simulate", "intel:2", timeout=100)
     assert proc.returncode == 2
     assert "bad simulation entry 'intel:2'" in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -124,8 +109,7 @@ def test_sim_native_refuses_a_group_that_mixes_vendors(tmp_path: Path) -> None:
                 print("ACCEPTED", flush=True)
         dist.destroy_process_group()
     """))
-    proc = subprocess.run([sys.executable, "-m", "bimetal.cli", "launch", "--simulate", "nvidia:2,amd:1", "--",
-                           str(script)], env=_env(), capture_output=True, text=True, timeout=100)
+    proc = launch("nvidia:2,amd:1", str(script), timeout=100)
     out = proc.stdout + proc.stderr
     assert "ACCEPTED" not in out
     assert "REFUSED rank 1" in out and "REFUSED rank 2" in out, out[-3000:]

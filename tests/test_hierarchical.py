@@ -3,22 +3,17 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from launcher import launch
 
 HERE = Path(__file__).resolve().parent
 pytestmark = pytest.mark.timeout(150)
 
 
 def test_hierarchical_equals_flat_all_reduce(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "BIMETAL_SIMULATE")}
-    proc = subprocess.run([sys.executable, "-m", "bimetal.cli", "launch", "--simulate", "nvidia:2,amd:2", "--",
-                           str(HERE / "hier_rank.py"), str(tmp_path)], env=env, capture_output=True, text=True,
-                          timeout=120)
+    proc = launch("nvidia:2,amd:2", HERE / "hier_rank.py", str(tmp_path), timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for r in range(4):
         res = json.loads((tmp_path / f"rank{r}.json").read_text())

@@ -8,13 +8,11 @@ is paid once); each (world size, transport) pair is one test here, so a failure 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from launcher import launch
 
 HERE = Path(__file__).resolve().parent
 pytestmark = pytest.mark.timeout(240)
@@ -30,13 +28,6 @@ CASES = [("nvidia:1,amd:1", t) for t in ("gloo", "cpu-forward/k1", "cpu-forward/
     ("nvidia:2,amd:2", "cpu-forward/k2")]
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "BIMETAL_SIMULATE"):
-        env.pop(key, None)
-    return env
-
-
 @pytest.fixture(scope="module")
 def table(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], list[list[dict]]]:
     """``table(simulate)`` -> every rank's results; one launch per world size for the whole module."""
@@ -45,9 +36,7 @@ def table(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], list[list
     def get(simulate: str) -> list[list[dict]]:
         if simulate not in done:
             out = tmp_path_factory.mktemp("table")
-            proc = subprocess.run([sys.executable, "-m", "bimetal.cli", "launch", "--simulate", simulate, "--",
-                                   str(HERE / "op_table_rank.py"), str(out)], env=_env(), capture_output=True,
-                                  text=True, timeout=200)
+            proc = launch(simulate, str(HERE / "op_table_rank.py"), str(out), timeout=200)
             assert proc.returncode == 0, proc.stderr[-3000:]
             world = sum(int(p.split(":")[1]) for p in simulate.split(","))
             files = sorted(out.glob("rank*.json"))

@@ -7,11 +7,11 @@ import torch
 from test_layout import _view
 
 from bimetal.comm.registry import CPU_FORWARD, SIM_NATIVE
+from bimetal.config import ActivationCheckpointConfig
 from bimetal.errors import UserError
 from bimetal.models import build_stage
 from bimetal.parallel.layout import ParallelDims, plan_layout
 from bimetal.parallel.mesh import dp_mesh_ranks, plan_dp_mesh_groups
-from bimetal.train.config import ActivationCheckpointConfig
 from bimetal.train.parallelize import apply_activation_checkpointing, param_name
 
 pytestmark = pytest.mark.timeout(60)

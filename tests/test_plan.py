@@ -115,7 +115,7 @@ def test_cli_ranks_plans_and_writes_config(spec: Path, model: str, tmp_path: Pat
     assert cfg["model"]["flavour"] == model
     assert sum(cfg["parallel"]["layers_per_stage"]) == cost.MODELS[model].layers
     assert cfg["parallel"]["pp"] > 1  # dp across vendors only with --allow-cross-vendor-dp
-    from bimetal.train.config import load_config
+    from bimetal.config import load_config
     from bimetal.train.dryrun import report
     tc = load_config(str(out), [])
     assert tc.stage_split(cost.MODELS[model].layers) == cfg["parallel"]["layers_per_stage"]

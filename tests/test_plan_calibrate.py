@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from bimetal.bench.calibrate import lab_ranks
 from bimetal.lab.spec import load_spec
-from bimetal.plan.calibrate import Rank, best_split, even_split, lab_ranks, predict, splits
 from bimetal.plan.schedule import StageTimes, one_f_one_b
+from bimetal.plan.stagesplit import Rank, best_split, even_split, predict, splits
 
 ROOT = Path(__file__).resolve().parents[1]
 

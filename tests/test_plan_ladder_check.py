@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from bimetal.plan.cli import main
+from bimetal.cli import main
 
 DATA = Path(__file__).parent / "data"
 
 
 def test_model_predicts_the_measured_lab_ladder_within_20_percent(capsys: pytest.CaptureFixture[str]) -> None:
-    rc = main(["ladder-check", "--ladder", str(DATA / "ladder_lab.json"), "--profile",
+    rc = main(["plan", "ladder-check", "--ladder", str(DATA / "ladder_lab.json"), "--profile",
                str(DATA / "profile_debug_s128_b2.json"), "--bench-comm", str(DATA / "bench_comm_loopback.json")])
     out = capsys.readouterr().out
     rows = re.findall(r"^\((\w)\)\s+(\d+)\s+(\d+)\s+([\d.]+)%\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)%$", out, flags=re.M)

@@ -73,7 +73,7 @@ def test_gpudirect_must_be_a_bool(tmp_path: Path, capsys) -> None:
 
 
 def test_wrong_types_are_named_with_the_file(tmp_path: Path) -> None:
-    from bimetal.train.config import load_config
+    from bimetal.config import load_config
 
     for old, new, said in (("seq_len = 128", "seq_len = 128.0", "data.seq_len=128.0 in"),
                            ("seq_len = 128", "seq_len = true", "data.seq_len=True in"),
@@ -112,8 +112,8 @@ def test_check_prefers_an_unknown_key_and_lists_the_known_ones() -> None:
 def test_one_transport_table() -> None:
     from bimetal import transports
     from bimetal.comm import registry
+    from bimetal.config import ParallelConfig
     from bimetal.parallel.groups import resolve_transports
-    from bimetal.train.config import ParallelConfig
 
     assert transports.NAMES == ("cpu-forward", "device-direct", "gloo")
     assert {t.backend: t.module for t in transports.TABLE if t.module} == registry._TRANSPORT_MODULES

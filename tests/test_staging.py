@@ -12,9 +12,6 @@ per-shape cap (``pool_buffers`` = 2), and here has only two slabs.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import threading
 from collections.abc import Callable
 from datetime import timedelta
@@ -23,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from launcher import clean_env, launch
 from test_op_table import ROWS
 
 from bimetal.comm.cpu_forward.pg import CpuForwardProcessGroup
@@ -186,12 +184,8 @@ def test_pool_bound_is_bytes_not_a_shape() -> None:
 def test_op_table_with_staging_forced_matches_gloo(tmp_path) -> None:
     """``op_table_rank``'s every row on cpu-forward (1 and 2 stripes) with ``BIMETAL_CF_FORCE_STAGING=1``, through
     the user's entry point (``bimetal launch --simulate``)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", BIMETAL_CF_FORCE_STAGING="1")
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "BIMETAL_SIMULATE"):
-        env.pop(key, None)
-    proc = subprocess.run([sys.executable, "-m", "bimetal.cli", "launch", "--simulate", "nvidia:1,amd:1", "--",
-                           str(HERE / "staged_table_rank.py"), str(tmp_path)], env=env, capture_output=True,
-                          text=True, timeout=100)
+    proc = launch("nvidia:1,amd:1", HERE / "staged_table_rank.py", str(tmp_path),
+                  env=clean_env(BIMETAL_CF_FORCE_STAGING="1"), timeout=100)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for f in sorted(tmp_path.glob("rank*.json")):
         rows = json.loads(f.read_text())

@@ -10,18 +10,17 @@ others, which skips the launcher's config check to save time). Each rank writes
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from launcher import bimetal
 
 from bimetal.integrations.torchtitan import available
 from bimetal.integrations.torchtitan.mesh import MixedVendorDimensionError, preflight, unflatten_groups
-from bimetal.integrations.torchtitan.split import module_fqns_per_model_part
+from bimetal.plan.titan_split import module_fqns_per_model_part
 
 needs_titan = pytest.mark.skipif(not available(),
                                  reason="torchtitan is not installed: pip install 'bimetal[torchtitan]'")
@@ -32,16 +31,8 @@ COMMON = ["--module", "llama3", "--config", "llama3_debugmodel", "--training.seq
 VENDOR_OF = {"nvidia:1,amd:1": ["nvidia", "amd"], "nvidia:2,amd:2": ["nvidia", "nvidia", "amd", "amd"]}
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "BIMETAL_SIMULATE"):
-        env.pop(key, None)
-    return env
-
-
 def _run(args: list[str], timeout: int = 200) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "bimetal.cli", *args], env=_env(), capture_output=True,
-                          text=True, timeout=timeout)
+    return bimetal(*args, timeout=timeout)
 
 
 @pytest.fixture(scope="module")

@@ -12,12 +12,10 @@ and a resume onto another tp.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from launcher import bimetal, launch
 
 from bimetal.errors import UserError
 from bimetal.train import checkpoint
@@ -27,17 +25,8 @@ HERE = Path(__file__).resolve().parent
 DEMO = HERE.parent / "configs" / "demo.toml"
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "BIMETAL_SIMULATE"):
-        env.pop(key, None)
-    return env
-
-
 def test_tp2_matches_the_single_device_model(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "bimetal.cli", "launch", "--simulate", "nvidia:2", "--",
-                           str(HERE / "tp_rank.py"), str(tmp_path)], env=_env(), capture_output=True, text=True,
-                          timeout=180)
+    proc = launch("nvidia:2", str(HERE / "tp_rank.py"), str(tmp_path), timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     files = sorted(tmp_path.glob("rank*.json"))
     assert len(files) == 2
@@ -51,9 +40,8 @@ def test_tp2_matches_the_single_device_model(tmp_path: Path) -> None:
 
 def test_tp_that_does_not_divide_the_heads_is_refused_before_launch(tmp_path: Path) -> None:
     # 3 divides neither the debug model's 4 heads nor the world; the heads are named, and nothing launches.
-    proc = subprocess.run([sys.executable, "-m", "bimetal.cli", "train", "--config", str(DEMO),
-                           "--parallel.dp=1", "--parallel.tp=3", f"--metrics.run_dir={tmp_path / 'run'}",
-                           "--simulate", "nvidia:3,amd:3"], env=_env(), capture_output=True, text=True, timeout=60)
+    proc = bimetal("train", "--config", str(DEMO), "--parallel.dp=1", "--parallel.tp=3",
+                   f"--metrics.run_dir={tmp_path / 'run'}", "--simulate", "nvidia:3,amd:3", timeout=60)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "parallel.tp=3" in proc.stderr and "n_heads=4" in proc.stderr and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
@@ -78,11 +66,11 @@ def test_planner_writes_tp_plans_the_trainer_accepts(tmp_path: Path) -> None:
     # config it writes for one carries parallel.tp, and the trainer's pre-launch checks accept it.
     import tomli_w
 
+    from bimetal.config import load_config
     from bimetal.plan.cli import plan_to_train_config
     from bimetal.plan.search import search
     from bimetal.plan.spec import load_spec
     from bimetal.train.cli import _check_tp_divides_model
-    from bimetal.train.config import load_config
 
     ok, _ = search(load_spec(str(HERE.parent / "configs" / "clusters" / "h100_mi300x.toml")), "llama3-8b", 8192, 256)
     plan = next(p for p in ok if p.tp > 1)

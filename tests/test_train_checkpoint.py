@@ -131,7 +131,7 @@ def test_resumed_metrics_replace_replayed_steps_and_keep_the_first_loss(tmp_path
 
 
 def test_keep_last_setting() -> None:
-    from bimetal.train.config import load_config
+    from bimetal.config import load_config
 
     assert load_config(None, []).checkpoint.keep_last == 3
     assert load_config(None, ["--checkpoint.keep_last=0"]).checkpoint.keep_last == 0

@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from bimetal.config import load_config
 from bimetal.errors import UserError
-from bimetal.train.config import load_config
 from bimetal.train.data import SHIPPED_CORPUS, TokenStream, load_tokens
 from bimetal.train.tokenizer import ByteTokenizer
 

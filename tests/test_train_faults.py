@@ -10,14 +10,13 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from launcher import bimetal, clean_env, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(240)
@@ -27,18 +26,9 @@ COMMON = ["--config", str(ROOT / "configs" / "demo.toml"), f"--training.steps={S
           "--metrics.log_every=1", f"--parallel.timeout_s={TIMEOUT_S}"]
 
 
-def _env(extra: dict[str, str]) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("BIMETAL_FAULT", "TORCHELASTIC")) and k not in (
-               "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "BIMETAL_SIMULATE")}
-    env.update(extra, OMP_NUM_THREADS="1")
-    return env
-
-
 def _train(run_dir: Path, extra_env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "bimetal.cli", "train", *COMMON, "--simulate", "nvidia:2,amd:2",
-           "--checkpoint.every=4", f"--metrics.run_dir={run_dir}", *args]
-    return subprocess.run(cmd, env=_env(extra_env), capture_output=True, text=True, timeout=200, cwd=ROOT)
+    return bimetal("train", *COMMON, "--simulate", "nvidia:2,amd:2", "--checkpoint.every=4",
+                   f"--metrics.run_dir={run_dir}", *args, env=clean_env(**extra_env), timeout=200)
 
 
 def _loss_at(run_dir: Path, step: int) -> float:
@@ -83,16 +73,10 @@ def test_killed_rank_restarts_and_reaches_the_same_final_loss(tmp_path: Path) ->
     assert _loss_at(tmp_path / "hurt", STEPS) == pytest.approx(_loss_at(tmp_path / "ref", STEPS), rel=1e-5)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start_ranks(run_dir: Path, fault: dict[str, str]) -> list[subprocess.Popen]:
     """The four ranks as plain processes (no torchrun agent, which would SIGTERM the survivors at once)."""
-    base = _env({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "4",
-                 "LOCAL_WORLD_SIZE": "4", "BIMETAL_SIMULATE": "nvidia:2,amd:2", **fault})
+    base = clean_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="4", LOCAL_WORLD_SIZE="4",
+                     BIMETAL_SIMULATE="nvidia:2,amd:2", **fault)
     procs = []
     for r in range(4):
         env = dict(base, RANK=str(r), LOCAL_RANK=str(r))

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import gc
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from launcher import free_port, spawn
 from torch import nn
 
 from bimetal.train.pipeline import PipelineRunner, stage_layer_ids
@@ -41,11 +39,7 @@ def _rank(rank: int, port: int, schedule: str, out: str) -> None:
         _stage_step(rank, schedule, out)
     finally:
         dist.destroy_process_group()
-    # The stage and its schedule hold the group in a reference cycle. Collected here, the group's destructor
-    # joins Gloo's worker threads; left to interpreter shutdown, a worker still releasing the last broadcast's
-    # tensors needs the GIL after finalization began and the process aborts ("terminate called without an
-    # active exception", seen in CI).
-    gc.collect()
+    # the stage and its schedule hold the group in a reference cycle: tests/launcher.py collects it before exit
 
 
 def _stage_step(rank: int, schedule: str, out: str) -> None:
@@ -65,15 +59,9 @@ def _grad(p: torch.Tensor) -> torch.Tensor:
     return p.grad
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 def test_pipeline_matches_single_process(schedule: str, tmp_path: Path) -> None:
-    mp.start_processes(_rank, args=(_free_port(), schedule, str(tmp_path)), nprocs=2, start_method="spawn")
+    spawn(_rank, (free_port(), schedule, str(tmp_path)))
     layers = _layers()
     x, y = _data()
     ref = torch.stack([_mse(nn.Sequential(*layers)(xc), yc) for xc, yc in zip(x.chunk(N_MB), y.chunk(N_MB))])

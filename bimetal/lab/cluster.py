@@ -10,6 +10,7 @@ and cgroups of a killed run disappear. Teardown runs from ``__exit__``/``finally
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -25,6 +26,8 @@ from typing import Any
 from bimetal.errors import UserError
 from bimetal.lab import cgroup, net
 from bimetal.lab.spec import LabSpec
+
+_log = logging.getLogger(__name__)
 
 STATE_DIR = Path("/run/bimetal-lab")
 MASTER_PORT = 29400
@@ -287,7 +290,7 @@ class LabCluster:
             if name in why:
                 text += f"\n[bimetal lab] node {name} was killed: {why[name]}\n"
                 if not capture:
-                    print(f"bimetal lab: node {name} was killed: {why[name]}", file=sys.stderr, flush=True)
+                    _log.warning("bimetal lab: node %s was killed: %s", name, why[name])
             results.append(NodeResult(name, codes.get(name, 130), text))
         for f in logdir.iterdir():
             f.unlink()

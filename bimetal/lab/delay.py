@@ -21,7 +21,8 @@ the clean-up of a stale lab) kills it with everything else there.
 The netlink messages are built by hand (nfnetlink_queue's config, packet and batch-verdict messages, see
 ``linux/netfilter/nfnetlink_queue.h``); the packet payload is never copied to user space.
 
-``python -m bimetal.lab.delay --queue N --delay-ms D`` is the daemon; ``start``/``stop`` manage one per NIC.
+``python -m bimetal.lab.delay --queue N --delay-ms D`` is the daemon; ``bimetal.lab.net.start_delay`` and
+``stop_delay`` manage one per NIC.
 """
 
 from __future__ import annotations
@@ -34,10 +35,8 @@ import select
 import signal
 import socket
 import struct
-import subprocess
 import sys
 import time
-from pathlib import Path
 
 NETLINK_NETFILTER = 12
 _SUBSYS_QUEUE = 3 << 8
@@ -51,7 +50,6 @@ _NLMSG_ERROR = 2
 _F_REQUEST, _F_ACK = 1, 4
 _NLMSG = struct.Struct("=IHHII")
 _QUEUE_MAXLEN = 1 << 16
-_MARK = "bimetal-delay"
 
 
 def _attr(kind: int, data: bytes) -> bytes:
@@ -130,54 +128,6 @@ def serve(queue: int, delay_s: float) -> None:
             seq += 1
             verdict = _attr(_VERDICT_HDR, struct.pack("!II", _NF_ACCEPT, last))
             sock.send(_message(_MSG_VERDICT_BATCH, queue, verdict, seq, ack=False))
-
-
-# -- managing one daemon per NIC (lab side) -----------------------------------------------------------------
-
-
-def _rule(dev: str, queue: int) -> list[str]:
-    """The iptables rule (after -A/-D) that sends what arrives on ``dev`` to ``queue``."""
-    return ["INPUT", "-i", dev, "-j", "NFQUEUE", "--queue-num", str(queue), "--queue-bypass", "-m", "comment",
-            "--comment", f"{_MARK}-{dev}"]
-
-
-def start(ns: str, dev: str, queue: int, delay_ms: float) -> None:
-    """Hold every packet that arrives on ``dev`` in namespace ``ns`` for ``delay_ms``."""
-    from bimetal.lab import net
-
-    stop(ns, dev, queue)
-    proc = subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-m", "bimetal.lab.delay", "--queue",
-                             str(queue), "--delay-ms", f"{delay_ms:g}"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    assert proc.stdout is not None
-    ready, _, _ = select.select([proc.stdout], [], [], 10)
-    if not ready or proc.stdout.readline().strip() != "ready":
-        proc.kill()
-        _, err = proc.communicate(timeout=5)
-        raise net.LabError(f"the latency daemon for {dev} in {ns} did not start: {err.strip()[-300:] or 'no output'}; "
-                           "it needs the kernel's nfnetlink_queue (or netem) for link latency")
-    proc.stdout.close()
-    try:
-        net.sh(["iptables", "-A", *_rule(dev, queue)], ns=ns)
-    except net.LabError as exc:
-        stop(ns, dev, queue)
-        raise net.LabError(f"link latency without netem needs iptables with NFQUEUE ({exc}); install iptables "
-                           "(apt-get install iptables) or set latency_ms = 0") from None
-
-
-def stop(ns: str, dev: str, queue: int) -> None:
-    """Remove ``dev``'s latency rules and its daemon (no-op when there are none)."""
-    from bimetal.lab import net
-
-    net.sh(["iptables", "-D", *_rule(dev, queue)], ns=ns, check=False)
-    for pid in net.sh(["ip", "netns", "pids", ns], check=False).split():
-        try:
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
-        except OSError:
-            continue
-        if "bimetal.lab.delay" in argv and "--queue" in argv and argv[argv.index("--queue") + 1:][:1] == [str(queue)]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(pid), signal.SIGTERM)
 
 
 def main(argv: list[str] | None = None) -> int:

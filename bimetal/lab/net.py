@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from bimetal.errors import UserError
 
@@ -104,21 +107,19 @@ def shape(ns: str, dev: str, rate_mbit: float, latency_ms: float, change: bool =
     packet arriving on ``dev`` for both halves (2 x ``latency_ms``: its own and the one netem would add at the
     hub's end, which then gets tbf alone: ``hub=True``).
     """
-    from bimetal.lab import delay
-
     verb = "change" if change else "add"
     if change:
         sh(["tc", "qdisc", "del", "dev", dev, "root"], ns=ns, check=False)
         verb = "add"
     if change and not hub:  # a new link has no latency daemon yet
-        delay.stop(ns, dev, nic_index(dev))
+        stop_delay(ns, dev, nic_index(dev))
     if latency_ms > 0 and netem_available():
         sh(["tc", "qdisc", verb, "dev", dev, "root", "handle", "1:", "netem", "delay", f"{latency_ms:g}ms"], ns=ns)
         sh(["tc", "qdisc", verb, "dev", dev, "parent", "1:1", "handle", "10:", "tbf", *tbf_args(rate_mbit)], ns=ns)
         return
     sh(["tc", "qdisc", verb, "dev", dev, "root", "handle", "10:", "tbf", *tbf_args(rate_mbit)], ns=ns)
     if latency_ms > 0 and not hub:
-        delay.start(ns, dev, nic_index(dev), 2 * latency_ms)
+        start_delay(ns, dev, nic_index(dev), 2 * latency_ms)
 
 
 _NETEM: list[bool] = []
@@ -197,3 +198,50 @@ def delete_lab_namespaces(lab_id: str) -> list[str]:
     for ns in mine:
         sh(["ip", "netns", "del", ns], check=False)
     return mine
+
+
+# -- link latency without netem: one bimetal.lab.delay daemon per NIC --------------------------------------
+
+
+_DELAY_MARK = "bimetal-delay"
+
+
+def _rule(dev: str, queue: int) -> list[str]:
+    """The iptables rule (after -A/-D) that sends what arrives on ``dev`` to ``queue``."""
+    return ["INPUT", "-i", dev, "-j", "NFQUEUE", "--queue-num", str(queue), "--queue-bypass", "-m", "comment",
+            "--comment", f"{_DELAY_MARK}-{dev}"]
+
+
+def start_delay(ns: str, dev: str, queue: int, delay_ms: float) -> None:
+    """Hold every packet that arrives on ``dev`` in namespace ``ns`` for ``delay_ms``."""
+    stop_delay(ns, dev, queue)
+    proc = subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-m", "bimetal.lab.delay", "--queue",
+                             str(queue), "--delay-ms", f"{delay_ms:g}"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], 10)
+    if not ready or proc.stdout.readline().strip() != "ready":
+        proc.kill()
+        _, err = proc.communicate(timeout=5)
+        raise LabError(f"the latency daemon for {dev} in {ns} did not start: {err.strip()[-300:] or 'no output'}; "
+                           "it needs the kernel's nfnetlink_queue (or netem) for link latency")
+    proc.stdout.close()
+    try:
+        sh(["iptables", "-A", *_rule(dev, queue)], ns=ns)
+    except LabError as exc:
+        stop_delay(ns, dev, queue)
+        raise LabError(f"link latency without netem needs iptables with NFQUEUE ({exc}); install iptables "
+                           "(apt-get install iptables) or set latency_ms = 0") from None
+
+
+def stop_delay(ns: str, dev: str, queue: int) -> None:
+    """Remove ``dev``'s latency rules and its daemon (no-op when there are none)."""
+    sh(["iptables", "-D", *_rule(dev, queue)], ns=ns, check=False)
+    for pid in sh(["ip", "netns", "pids", ns], check=False).split():
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if "bimetal.lab.delay" in argv and "--queue" in argv and argv[argv.index("--queue") + 1:][:1] == [str(queue)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGTERM)

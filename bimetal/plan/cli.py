@@ -20,7 +20,7 @@ from bimetal.plan.spec import ClusterSpec, load_spec
 
 
 def plan_to_train_config(p: Plan, spec: ClusterSpec | None = None) -> dict[str, object]:
-    """The `bimetal train` config (bimetal.train.config keys) for a plan; ``spec`` becomes parallel.cluster.
+    """The `bimetal train` config (bimetal.config keys) for a plan; ``spec`` becomes parallel.cluster.
 
     A pp = 1 plan on a cluster of several vendors has data-parallel groups that span vendors, so the
     config allows them (the hierarchical all-reduce); the FSDP shards stay inside an island.
@@ -54,12 +54,6 @@ def _best_tps(vendor: str, model: str, seq: int, gb: int, spec: ClusterSpec) -> 
 
 
 def main(argv: list[str]) -> int:
-    if argv[:1] == ["calibrate"]:
-        from bimetal.plan.calibrate import main as calibrate_main
-        return calibrate_main(argv[1:])
-    if argv[:1] == ["ladder-check"]:
-        from bimetal.plan.labladder import main as ladder_check_main
-        return ladder_check_main(argv[1:])
     if argv[:1] == ["fit"]:
         from bimetal.plan.fit import main as fit_main
         return fit_main(argv[1:])
@@ -150,7 +144,7 @@ def main(argv: list[str]) -> int:
 
 
 def _write_titan(path: str, ok: list[Plan], spec: ClusterSpec, spec_path: str, quiet: bool) -> None:
-    from bimetal.integrations.torchtitan.plan import runs_on_torchtitan, write_titan
+    from bimetal.plan.titan import runs_on_torchtitan, write_titan
 
     runnable = [p for p in ok if runs_on_torchtitan(p, len({g.vendor for g in spec.groups}))]
     if not runnable:

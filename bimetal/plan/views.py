@@ -141,7 +141,7 @@ def layout_from_config(path: str) -> dict[str, Any]:
 
     The file is read and checked as `bimetal train` reads it (an unknown key is refused naming key and file).
     """
-    from bimetal.train.config import load_config
+    from bimetal.config import load_config
 
     cfg = load_config(path)
     m, par, d = cfg.model, cfg.parallel, cfg.data

@@ -12,31 +12,12 @@ import os
 from types import ModuleType
 
 from bimetal.env import read as read_env
-from bimetal.errors import UserError
+from bimetal.simulate import SIMULATED_VENDORS, SimulationSpecError, parse_simulate
 
 VENDORS = ("nvidia", "amd", "cpu")
 SIMULATE_ENV = "BIMETAL_SIMULATE"
 VENDOR_ENV = "BIMETAL_VENDOR"
-SIMULATED_VENDORS = ("nvidia", "amd")
-
-
-class SimulationSpecError(UserError, ValueError):
-    """A ``--simulate`` / ``BIMETAL_SIMULATE`` value that cannot be parsed."""
-
-
-def parse_simulate(spec: str) -> list[str]:
-    """Vendor of each global rank for a spec like ``"nvidia:2,amd:2"`` (ranks 0-1 nvidia, 2-3 amd)."""
-    vendors: list[str] = []
-    for part in spec.split(","):
-        part = part.strip()
-        name, sep, count = part.partition(":")
-        if not sep or name not in SIMULATED_VENDORS or not count.isdigit() or int(count) < 1:
-            raise SimulationSpecError(
-                f"bad simulation entry {part!r} in {spec!r}: expected vendor:count with vendor one of "
-                f"{', '.join(SIMULATED_VENDORS)} and count >= 1, e.g. 'nvidia:2,amd:2'"
-            )
-        vendors.extend([name] * int(count))
-    return vendors
+__all__ = ["SIMULATED_VENDORS", "SimulationSpecError", "parse_simulate"]  # re-exported: their home is bimetal.simulate
 
 
 def hardware_vendor(torch_module: ModuleType | None = None) -> str:

@@ -9,18 +9,21 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import os
 import sys
 
+from bimetal.config import TrainConfig, load_config, parse_overrides
 from bimetal.env import check_environment, unknown_warning
 from bimetal.errors import UserError
+from bimetal.log import rank_logging
 from bimetal.supervisor import REPORT_ENV
 from bimetal.topology.vendor import parse_simulate
-from bimetal.train.config import TrainConfig, load_config, parse_overrides
-from bimetal.train.console import rank_logging
 from bimetal.train.metrics import format_summary
 from bimetal.train.preflight import check_data, check_layout, check_model, check_world
 from bimetal.transports import TRANSPORTS
+
+_log = logging.getLogger(__name__)
 
 
 def _check_transports(cfg: TrainConfig) -> None:
@@ -80,7 +83,7 @@ def main(argv: list[str]) -> int:
     unknown = check_environment()
     in_rank = "RANK" in os.environ
     if unknown and (not in_rank or (os.environ.get("RANK") == "0" and REPORT_ENV not in os.environ)):
-        print(f"bimetal train: warning: {unknown_warning(unknown)}", file=sys.stderr, flush=True)
+        _log.warning("bimetal train: warning: %s", unknown_warning(unknown))
     vendors = parse_simulate(ns.simulate) if ns.simulate else []  # SimulationSpecError: one sentence
     if ns.max_restarts < 0:
         raise UserError(f"--max-restarts={ns.max_restarts} must be zero or more.")

@@ -1,5 +1,5 @@
-"""What a training job prints while it runs: one step line per job, a progress bar on a terminal, and every
-other rank's warnings on one line each, prefixed with the rank.
+"""What a training job prints while it runs: one step line per job, a progress bar on a terminal (every
+rank's warnings go to ``bimetal.log``).
 
 The step line comes from one rank only (the trainer picks the last stage's first replica, whose step ends
 last); on a terminal it is a progress bar with an ETA redrawn in place, with a full line every
@@ -9,9 +9,7 @@ last step, each with its ETA.
 
 from __future__ import annotations
 
-import logging
 import sys
-import warnings
 from collections import deque
 from typing import Any, TextIO
 
@@ -67,38 +65,3 @@ class StepConsole:
         if step == self.total:
             self.stream.write("\r\x1b[K")
         self.stream.flush()
-
-
-class _DropRepeats(logging.Filter):
-    """A warning that is both logged and raised as a Python warning (device-direct fallback) shows once."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._last = ""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        text = record.getMessage()
-        repeat, self._last = text == self._last, text
-        return not repeat
-
-
-def rank_logging(rank: int) -> None:
-    """In a rank: warnings and log records at WARNING and above on stderr, one line each, ``[rank N] ...``."""
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter(f"[rank {rank}] %(levelname)s: %(message)s"))
-    handler.addFilter(_DropRepeats())
-    handler.setLevel(logging.WARNING)
-    root = logging.getLogger()
-    root.addHandler(handler)
-    if root.level == logging.NOTSET or root.level > logging.WARNING:
-        root.setLevel(logging.WARNING)
-    log = logging.getLogger("bimetal.warnings")
-
-    def show(message: Warning | str, category: type[Warning], filename: str, lineno: int,
-             file: TextIO | None = None, line: str | None = None) -> None:
-        text = str(message).strip()
-        log.warning("%s", text.splitlines()[0] if text else category.__name__)
-
-    warnings.showwarning = show
-    # checkpoints are written per stage with DCP's no_dist mode on purpose (bimetal.train.checkpoint)
-    warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")

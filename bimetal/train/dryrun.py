@@ -14,9 +14,9 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from bimetal.config import TrainConfig
 from bimetal.errors import UserError
 from bimetal.plan.search import MEMORY_RESERVE
-from bimetal.train.config import TrainConfig
 
 
 @dataclass

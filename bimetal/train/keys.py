@@ -1,4 +1,4 @@
-"""Every config key with its default and meaning, from the config schema (``bimetal/train/config.py``).
+"""Every config key with its default and meaning, from the config schema (``bimetal/config.py``).
 
 ``bimetal train --help`` prints this list, so it cannot drift from the dataclasses: the schema keeps the
 string literal written under each field as its description (``bimetal.schema``), a section's being the one
@@ -12,8 +12,8 @@ import textwrap
 import typing
 from dataclasses import dataclass
 
+from bimetal import config
 from bimetal.schema import descriptions
-from bimetal.train import config
 
 
 @dataclass(frozen=True)

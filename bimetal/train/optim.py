@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from bimetal.comm.hierarchical import hierarchical_all_reduce
-from bimetal.train.config import OptimConfig
+from bimetal.config import OptimConfig
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:

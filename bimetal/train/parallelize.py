@@ -34,7 +34,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from bimetal.train.config import ActivationCheckpointConfig
+from bimetal.config import ActivationCheckpointConfig
 
 
 def apply_activation_checkpointing(model: nn.Module, cfg: ActivationCheckpointConfig) -> list[str]:

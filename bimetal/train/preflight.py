@@ -14,8 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+from bimetal.config import TrainConfig
 from bimetal.errors import UserError
-from bimetal.train.config import TrainConfig
 
 _SAMPLE_TOKENS = 1 << 24  # token ids checked up front in a .bin shard; the ranks check every batch they read
 

@@ -11,9 +11,9 @@ the two agree to float32 rounding.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -26,10 +26,10 @@ import torch.nn.functional as F
 
 from bimetal import env, faults
 from bimetal.comm.meter import TransportMeter
+from bimetal.config import TrainConfig
 from bimetal.errors import JobAborted, UserError
 from bimetal.supervisor import report_step
 from bimetal.train import checkpoint
-from bimetal.train.config import TrainConfig
 from bimetal.train.console import StepConsole
 from bimetal.train.data import TokenStream, load_tokens
 from bimetal.train.export import export_model
@@ -46,6 +46,8 @@ from bimetal.train.pipeline import PipelineRunner, StageModule, stage_layer_ids
 from bimetal.train.shards import merge_loaded, part_name, to_local
 from bimetal.train.tokenizer import build_tokenizer
 from bimetal.train.tp import apply_tp, check_tp, tp_mesh
+
+_log = logging.getLogger(__name__)
 
 
 def _loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -209,7 +211,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 
 
 def _warn(message: str) -> None:
-    print(f"warning: {message}", file=sys.stderr, flush=True)
+    _log.warning("%s", message)
 
 
 def _build_stage(cfg: TrainConfig, ctx: Any, models: Any, args: Any, split: list[int], stage: int, n_stages: int,

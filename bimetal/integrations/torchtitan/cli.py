@@ -23,7 +23,7 @@ from typing import Any
 from bimetal import transports
 from bimetal.env import read as read_env
 from bimetal.errors import UserError
-from bimetal.integrations.torchtitan.split import module_fqns_per_model_part, parse_split
+from bimetal.plan.titan_split import module_fqns_per_model_part, parse_split
 
 
 def build_parser() -> argparse.ArgumentParser:

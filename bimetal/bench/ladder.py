@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import statistics
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +30,8 @@ from bimetal.errors import UserError
 from bimetal.lab.cgroup import RANK_ENV
 from bimetal.lab.cluster import LabCluster
 from bimetal.lab.spec import parse_spec
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -152,7 +154,7 @@ def main(argv: list[str]) -> int:
             print(f"[{time.monotonic() - t_start:5.0f} s] ({rung.key}) {rung.label:<32} rep {rep}: {shown} "
                   f"(pp over {res.get('pp_transport')}, {res['wall_s']:.0f} s)", flush=True)
             if not res["ok"]:
-                print(res["error"][-1500:], file=sys.stderr)
+                _log.error("%s", res["error"][-1500:])
     table = report(runs)
     link = f"{args.rate_mbit:g} Mbit/s" + (f", {args.latency_ms:g} ms" if args.latency_ms else "")
     title = (f"debug LLaMA-3, pp=2 x dp=2 on 2 lab nodes, 2 NICs x {link}, "

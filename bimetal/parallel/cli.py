@@ -34,7 +34,7 @@ def main(argv: list[str]) -> int:
             raise UserError("outside torchrun, give --simulate (e.g. --simulate nvidia:2,amd:2) or run under torchrun")
         from bimetal.launch import launch
 
-        return launch(["-m", "bimetal.topology.cli", *argv], simulate=args.simulate, name="bimetal topo")
+        return launch(["-m", "bimetal.parallel.cli", *argv], simulate=args.simulate, name="bimetal topo")
     return _run_rank(args)
 
 
@@ -60,6 +60,6 @@ def _run_rank(args: argparse.Namespace) -> int:
 if __name__ == "__main__":
     import sys
 
-    from bimetal.cli import main as cli_main
+    from bimetal.entry import run_command
 
-    sys.exit(cli_main(["topo", *sys.argv[1:]]))
+    sys.exit(run_command("topo", main, sys.argv[1:]))

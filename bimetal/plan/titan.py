@@ -15,7 +15,7 @@ from typing import Any
 import tomli_w
 
 from bimetal.errors import UserError
-from bimetal.integrations.torchtitan.split import module_fqns_per_model_part
+from bimetal.plan.titan_split import module_fqns_per_model_part
 
 # planner model flavour -> (torchtitan --module, --config)
 TITAN_MODELS = {"llama3-8b": ("llama3", "llama3_8b"), "debug": ("llama3", "llama3_debugmodel")}

@@ -27,22 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from bimetal.errors import UserError
+from bimetal.sizes import parse_size
 
-UNITS = {"K": 2**10, "M": 2**20, "G": 2**30}
 DEFAULT_SIZES = "4K,64K,1M,4M,16M,64M,256M"
-
-
-def parse_size(text: str) -> int:
-    text = text.strip().upper().removesuffix("IB").removesuffix("B")
-    scale = UNITS.get(text[-1:], 1)
-    number = text[:-1] if text[-1:] in UNITS else text
-    try:
-        value = int(float(number) * scale)
-    except ValueError:
-        raise UserError(f"bad message size {text!r}; write sizes like 4K,1M,64M") from None
-    if value < 4:
-        raise UserError(f"message size {text!r} is below 4 bytes")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,7 +63,7 @@ def main(argv: list[str]) -> int:
     if "RANK" not in os.environ:
         from bimetal.launch import launch
 
-        return launch(["-m", "bimetal.comm.bench", *argv], simulate=args.simulate)
+        return launch(["-m", "bimetal.bench.comm", *argv], simulate=args.simulate)
     return _run(args, sizes, stripes, transports)
 
 
@@ -117,8 +104,8 @@ def _groups(args: argparse.Namespace, stripes: list[int], transports: list[str],
         groups["device-direct"] = dist.new_group([0, 1], backend="bimetal_device_direct", group_desc="bench.dd",
                                                  pg_options=dd_host or None)
     if "dd-engine" in transports:
+        from bimetal.bench.engine import EngineOnly
         from bimetal.comm.device_direct import default_host, options_from
-        from bimetal.comm.device_direct.bench import EngineOnly
 
         dd = options_from(dd_host or None)
         store = dist.PrefixStore("bench-dd-engine", dist.distributed_c10d._get_default_store())
@@ -276,6 +263,6 @@ def _plot(report: dict, path: Path) -> None:
 if __name__ == "__main__":
     import sys
 
-    from bimetal.cli import main as cli_main
+    from bimetal.entry import run_command
 
-    sys.exit(cli_main(["bench", "comm", *sys.argv[1:]]))
+    sys.exit(run_command("bench", main, sys.argv[1:]))

@@ -1,12 +1,8 @@
 """`bimetal plan calibrate`: the lab as a planner cluster, predicted step times against measured ones.
 
-The lab's ranks are the pipeline stages (dp = 1, stage j on global rank j, nodes in spec order). Each
-stage's cost comes only from measured inputs: the local CPU's per-part profile (``bimetal profile``:
-block, embedding, head with its loss, AdamW update; forward and backward apart), divided by the rank's
-CPU share; boundary transfers are cpu-forward (staging memcpy at the profiled bandwidth on both sides,
-the lab link rate and latency between nodes, loopback inside a node); the 1F1B replay
-(``bimetal.plan.schedule``) gives the pipeline time, and the slowest stage's optimizer update follows
-(every rank waits for it at the next step's first exchange). Nothing is fitted to lab measurements.
+The lab's ranks are the pipeline stages (dp = 1, stage j on global rank j, nodes in spec order); the
+prediction is ``bimetal.plan.stagesplit``'s, from the local CPU's profile, each rank's CPU share and the lab
+links. Nothing is fitted to lab measurements.
 
 The planner's split is the contiguous split with the least predicted step time. Both it and the even
 split are then trained on the lab, interleaved and repeated; the table compares medians.
@@ -15,50 +11,19 @@ split are then trained on the lab, interleaved and repeated; the table compares 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
-import math
 import statistics
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from bimetal.errors import UserError
 from bimetal.lab.spec import LabSpec, load_spec
 from bimetal.plan import cost
-from bimetal.plan.schedule import StageTimes, one_f_one_b
 from bimetal.plan.spec import ClusterSpec, NodeGroup
-
-CHUNK_BYTES = 4 * 2**20
-"""cpu-forward's default chunk: a message smaller than one chunk rides one NIC whatever the stripe count."""
-
-
-@dataclass(frozen=True)
-class Rank:
-    """One lab rank as a pipeline stage: where it sits and how fast its CPU share lets it run."""
-
-    node: str
-    vendor: str
-    share: float
-    nics: int
-    rate_mbit: float
-    latency_ms: float
-
-
-@dataclass
-class Prediction:
-    """Predicted step of one layer split, with the terms it is made of."""
-
-    split: list[int]
-    step_s: float
-    pipeline_s: float
-    optim_s: float
-    stage_fwd_s: list[float] = field(default_factory=list)
-    stage_bwd_s: list[float] = field(default_factory=list)
-    boundary_s: list[float] = field(default_factory=list)
-    """One transfer (activation or its gradient) across boundary j -> j+1."""
+from bimetal.plan.stagesplit import Rank, best_split, even_split, predict
 
 
 def lab_ranks(lab: LabSpec) -> list[Rank]:
@@ -81,54 +46,6 @@ def lab_cluster(lab: LabSpec, profile: dict[str, Any], host_memory_gb: float = 1
             efficiency=shares.pop(), nics_per_node=n.nics, nic_gbps=n.rate_mbit / 1000,
             h2d_gbps=float(profile["copy_gbps"]), intra_gbps=float(profile["copy_gbps"]), gpudirect=False))
     return ClusterSpec(lab.source, tuple(groups))
-
-
-def transfer_s(profile: dict[str, Any], a: Rank, b: Rank, nbytes: float) -> float:
-    """One cpu-forward message a -> b: staging copy on each side (at its CPU share) plus the link."""
-    copy = nbytes / (float(profile["copy_gbps"]) * 1e9)
-    stage = copy / a.share + copy / b.share
-    if a.node == b.node:  # loopback inside a node namespace: only the copies
-        return stage
-    nics = max(1, min(a.nics, b.nics, math.ceil(nbytes / CHUNK_BYTES)))
-    rate = min(a.rate_mbit, b.rate_mbit) * 1e6 / 8 * nics
-    return stage + nbytes / rate + max(a.latency_ms, b.latency_ms) / 1e3
-
-
-def predict(profile: dict[str, Any], ranks: list[Rank], split: list[int], microbatches: int) -> Prediction:
-    """Step time of ``split`` (layers per stage) on ``ranks`` at the profile's microbatch shape."""
-    if len(split) != len(ranks):
-        raise UserError(f"split {split} has {len(split)} stages but the lab has {len(ranks)} ranks (dp = 1).")
-    parts = profile["parts"]
-    last = len(split) - 1
-
-    def total(j: int, key: str) -> float:
-        t = split[j] * parts["layer"][key] + (parts["embed"][key] if j == 0 else 0.0)
-        return (t + (parts["head"][key] if j == last else 0.0)) / ranks[j].share
-
-    nbytes = float(profile["boundary_bytes"])
-    stages = [StageTimes(total(j, "fwd_s"), total(j, "bwd_s"),
-                         transfer_s(profile, ranks[j], ranks[j + 1], nbytes) if j < last else 0.0)
-              for j in range(len(split))]
-    pipeline, _ = one_f_one_b(stages, microbatches)
-    optim = max(total(j, "optim_s") for j in range(len(split)))
-    return Prediction(list(split), pipeline + optim, pipeline, optim, [s.fwd for s in stages],
-                      [s.bwd for s in stages], [s.send_next for s in stages[:-1]])
-
-
-def splits(layers: int, stages: int) -> list[list[int]]:
-    """Every contiguous split of ``layers`` into ``stages`` parts of at least one layer."""
-    return [[b - a for a, b in zip((0, *cuts), (*cuts, layers))]
-            for cuts in itertools.combinations(range(1, layers), stages - 1)]
-
-
-def even_split(layers: int, stages: int) -> list[int]:
-    return [layers // stages + (1 if j < layers % stages else 0) for j in range(stages)]
-
-
-def best_split(profile: dict[str, Any], ranks: list[Rank], layers: int, microbatches: int) -> Prediction:
-    """The planner's split: least predicted step time over all contiguous splits."""
-    return min((predict(profile, ranks, s, microbatches) for s in splits(layers, len(ranks))),
-               key=lambda p: p.step_s)
 
 
 def measure(lab_path: str, lab_id: str, config: str, overrides: list[str], split: list[int], steps: int,
@@ -247,5 +164,6 @@ def main(argv: list[str]) -> int:
 if __name__ == "__main__":
     import sys
 
-    from bimetal.cli import main as cli_main
-    sys.exit(cli_main(["plan", "calibrate", *sys.argv[1:]]))
+    from bimetal.entry import run_command
+
+    sys.exit(run_command("plan", main, sys.argv[1:]))

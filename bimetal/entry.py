@@ -1,0 +1,46 @@
+"""Running one command function as a process: the exit status and the one final sentence.
+
+``bimetal.cli`` and every module a rank runs with ``python -m`` end the same way: a ``UserError`` is one
+sentence and exit status 2, a ``JobAborted`` one sentence and status 1, Ctrl-C status 130. A rank started by
+bimetal's launcher leaves its sentence to the launcher (``bimetal.supervisor``), which speaks once for the job.
+Lives low in the layers so that no module needs to import ``bimetal.cli`` for this.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+from collections.abc import Callable
+
+from bimetal.errors import JobAborted, UserError
+from bimetal.log import rank_logging
+from bimetal.supervisor import report_outcome
+
+
+def run_command(label: str, func: Callable[[list[str]], int | None], argv: list[str]) -> int:
+    """``func(argv)``'s exit status; errors a user can cause end as one sentence prefixed ``bimetal LABEL:``.
+
+    In a rank (``RANK`` set by the launcher) diagnostics are set up first: ``[rank N]`` lines (``bimetal.log``).
+    Last, the garbage collector runs: objects that hold process groups in reference cycles (a trainer, a
+    pipeline stage and its schedule) are freed while the interpreter is whole, so each group's destructor
+    joins Gloo's worker threads; left to interpreter shutdown, a worker still releasing the last collective's
+    tensors needs the GIL after finalization began and the rank aborts after a finished run.
+    """
+    if os.environ.get("RANK", "").isdigit():
+        rank_logging(int(os.environ["RANK"]))
+    try:
+        return int(func(argv) or 0)
+    except UserError as exc:
+        if not report_outcome(2, str(exc)):  # a rank of bimetal's launcher leaves the sentence to it
+            print(f"bimetal {label}: {exc}", file=sys.stderr)
+        return 2
+    except JobAborted as exc:
+        if not report_outcome(1, str(exc)):
+            print(f"bimetal {label}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"bimetal {label}: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        gc.collect()

@@ -1,0 +1,33 @@
+"""The benchmarks of ``bimetal/bench`` through the commands users type: ``bimetal bench comm`` starts its two
+simulated ranks (``python -m bimetal.bench.comm``) and writes its report; the old module names say where
+the benchmarks went."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from launcher import bimetal, clean_env
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_bench_comm_runs_its_ranks_and_writes_the_report(tmp_path: Path) -> None:
+    proc = bimetal("bench", "comm", "--sizes", "4K", "--iters", "2", "--stripes", "1", "--transports",
+                   "gloo,cpu-forward", "--out", str(tmp_path), timeout=100)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "bench_comm.json").read_text())
+    assert "gloo" in proc.stdout and "cpu-forward x1" in proc.stdout and report, proc.stdout
+
+
+@pytest.mark.parametrize(("module", "fragment"), [
+    ("bimetal.lab.stripes", "python -m bimetal.bench.stripes"),
+    ("bimetal.comm.device_direct.bench", "bimetal bench engine"),
+])
+def test_old_module_names_say_where_the_benchmark_went(module: str, fragment: str) -> None:
+    proc = subprocess.run([sys.executable, "-m", module, "--help"], env=clean_env(), capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2 and fragment in proc.stderr, proc.stderr

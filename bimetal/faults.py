@@ -15,23 +15,17 @@ import os
 import signal
 import time
 
-from bimetal.errors import UserError
+from bimetal.env import read as read_env
 
 KILL_ENV = "BIMETAL_FAULT_KILL"
 STALL_ENV = "BIMETAL_FAULT_STALL"
 
 
 def _parse(name: str, parts: int) -> list[float] | None:
-    raw = os.environ.get(name, "").strip()
-    if not raw:
+    raw = read_env(name)  # the table's check: ``parts`` numbers separated by ':', or one sentence naming it
+    if raw is None:
         return None
-    try:
-        values = [float(p) for p in raw.split(":")]
-    except ValueError:
-        values = []
-    if len(values) != parts:
-        raise UserError(f"{name}={raw!r} is malformed; expected {parts} numbers separated by ':'")
-    return values
+    return [float(p) for p in raw.strip().split(":")]
 
 
 def first_attempt() -> bool:

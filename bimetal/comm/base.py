@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import json
 import threading
 from collections.abc import Sequence
 from datetime import timedelta
@@ -35,6 +34,7 @@ from torch.distributed.distributed_c10d import (
     ScatterOptions,
 )
 
+from bimetal import transports
 from bimetal.comm.work import (
     SUPPORTED_DTYPES,
     BimetalWork,
@@ -47,13 +47,13 @@ from bimetal.comm.work import (
     completed_work,
     make_work,
 )
+from bimetal.topology import store_exchange
 
 __all__ = ["SUPPORTED_DTYPES", "BimetalProcessGroup", "BimetalWork", "CommCounters", "OpRecord", "TransportError",
            "TransportTimeout", "UnsupportedOperation", "check_dtype", "completed_work", "make_work"]
 
 _TRANSPORTS: list[type[BimetalProcessGroup]] = []
 """Every transport class (``__init_subclass__``), for the "who does it" part of ``not_implemented``."""
-_TRANSPORT_PACKAGES = ("bimetal.comm.cpu_forward", "bimetal.comm.device_direct")
 _HINTS = {"monitored_barrier": " (Gloo does): use barrier, it has the group's timeout",
           "recv_anysource": " (Gloo does): receive from a named source"}
 
@@ -226,7 +226,8 @@ class BimetalProcessGroup(dist.ProcessGroup):
 
     def not_implemented(self, name: str, do: str) -> UnsupportedOperation:
         """The error for an op this transport has no ``do`` for: the op, the transport, who does it."""
-        for package in _TRANSPORT_PACKAGES:  # (error path only: list every transport, loaded or not)
+        # (error path only: list every transport, loaded or not)
+        for package in (t.module for t in transports.TABLE if t.module is not None):
             with contextlib.suppress(ImportError):
                 importlib.import_module(package)
         who = sorted({c.backend_name for c in _TRANSPORTS if getattr(c, do, None) is not None} - {self.backend_name})
@@ -265,23 +266,18 @@ class BimetalProcessGroup(dist.ProcessGroup):
         # peers time out up to the skew between ranks later; the issue's bound is timeout + 30 s in all
         wait_s = wait_s if wait_s is not None else min(25.0, max(5.0, self.timeout.total_seconds()))
         try:
-            self.store.set(f"bimetal_diag/{self._rank}", json.dumps({"op": op.op, "seq": op.seq}))
+            store_exchange.publish(self.store, "bimetal_diag", self._rank, {"op": op.op, "seq": op.seq})
         except Exception:
             return ""
+        peers = [r for r in range(self._size) if r != self._rank]
+        seen = store_exchange.poll(self.store, "bimetal_diag", peers, timedelta(seconds=wait_s), decode=_diag_record)
         notes = []
-        for r in range(self._size):
-            if r == self._rank:
-                continue
-            key = f"bimetal_diag/{r}"
-            try:
-                self.store.wait([key], timedelta(seconds=wait_s))
-                rec = json.loads(self.store.get(key))
-                peer_op, peer_seq = rec["op"], rec["seq"]
-                if not isinstance(peer_op, str) or not isinstance(peer_seq, int):
-                    raise ValueError
-            except (RuntimeError, ValueError, KeyError, TypeError):
+        for r in peers:
+            rec = seen[r]
+            if rec is None:
                 notes.append(f"rank {self.global_rank(r)} did not report (dead, or busy outside this group)")
                 continue
+            peer_op, peer_seq = rec
             if {peer_op, op.op} == {"send", "recv"}:  # the two ends of point-to-point traffic
                 notes.append(f"rank {self.global_rank(r)} is in {peer_op} #{peer_seq}")
             elif (peer_op, peer_seq) != (op.op, op.seq):
@@ -299,3 +295,11 @@ class BimetalProcessGroup(dist.ProcessGroup):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.description!r}, rank {self._rank} of {self._size})"
+
+
+def _diag_record(value: Any, rank: int) -> tuple[str, int]:
+    """A peer's ``{"op", "seq"}`` diagnostic record; anything else is refused (``poll`` reads it as no report)."""
+    op, seq = value["op"], value["seq"]
+    if not isinstance(op, str) or not isinstance(seq, int):
+        raise ValueError(f"rank {rank}: bad diagnostic record {value!r}")
+    return op, seq

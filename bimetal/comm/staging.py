@@ -16,11 +16,12 @@ check: CPU tensors whose staging is forced (``BIMETAL_CF_FORCE_STAGING=1``, for 
 
 from __future__ import annotations
 
-import os
 import threading
 from datetime import timedelta
 
 import torch
+
+from bimetal.env import read as read_env
 
 ENV_FORCE = "BIMETAL_CF_FORCE_STAGING"
 ALIGN = 64
@@ -34,11 +35,7 @@ def is_device(tensor: torch.Tensor) -> bool:
 
 def force_staging() -> bool:
     """Whether ``BIMETAL_CF_FORCE_STAGING=1`` asks cpu-forward to stage CPU tensors too (read at group creation)."""
-    value = os.environ.get(ENV_FORCE, "").strip()
-    if value not in ("", "0", "1"):
-        from bimetal.errors import UserError
-        raise UserError(f"{ENV_FORCE}={value!r} must be 0 or 1")
-    return value == "1"
+    return (read_env(ENV_FORCE) or "").strip() == "1"  # the table's check refuses anything but 0 or 1
 
 
 class PoolExhausted(RuntimeError):

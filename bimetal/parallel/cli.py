@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from bimetal import transports
 from bimetal.errors import UserError
 
 
@@ -21,8 +22,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--allow-cross-vendor-dp", action="store_true")
     p.add_argument("--strict", action="store_true", help="refuse stages that are not vendor-homogeneous")
-    p.add_argument("--pp-transport", default="cpu-forward", help="cpu-forward | device-direct | gloo")
-    p.add_argument("--dp-transport", default="cpu-forward", help="for data-parallel groups that span vendors")
+    p.add_argument("--pp-transport", default=transports.DEFAULT,
+                   help=" | ".join(transports.NAMES))
+    p.add_argument("--dp-transport", default=transports.DEFAULT,
+                   help="for data-parallel groups that span vendors")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds for start-up and group creation")
     return p
 

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from bimetal.comm.device_direct.engine import Engine, EngineUnavailableError, choose_protocol, open_engine
 from bimetal.comm.device_direct.options import options_from
 from bimetal.comm.device_direct.pg import DeviceDirectProcessGroup
+from bimetal.topology import store_exchange
 
 log = logging.getLogger(__name__)
 
@@ -38,12 +39,9 @@ def create_process_group(dist_backend_opts: Any, pg_options: Any) -> dist.Proces
     except EngineUnavailableError as exc:
         reason = str(exc)
     # agreement round: every rank says whether its engine started before anyone builds the group
-    store.set(f"bimetal_dd_start/{rank}", "ok" if engine is not None else reason or "failed")
-    failed = []
-    for p in range(size):
-        answer = store.get(f"bimetal_dd_start/{p}").decode()
-        if answer != "ok":
-            failed.append((p, answer))
+    answers: list[str] = store_exchange.exchange(store, "bimetal_dd_start", rank,
+                                                 "ok" if engine is not None else reason or "failed", range(size))
+    failed = [(p, answer) for p, answer in enumerate(answers) if answer != "ok"]
     if not failed:
         assert engine is not None
         return DeviceDirectProcessGroup(store, rank, size, timeout, global_ranks, engine, opts, opts.torch_device())

@@ -13,10 +13,10 @@ from __future__ import annotations
 import abc
 import enum
 import importlib
-import os
 from pathlib import Path
 from typing import Any
 
+from bimetal.env import read as read_env
 from bimetal.errors import UserError
 
 PROTOCOL_ENV = "BIMETAL_DD_PROTOCOL"
@@ -107,7 +107,7 @@ def verbs_devices() -> list[str]:
 
 def choose_protocol(requested: str | None = None) -> str:
     """``rdma`` or ``tcp``: the request (option, else env), or RDMA where verbs devices exist, else TCP."""
-    choice = (requested or os.environ.get(PROTOCOL_ENV) or "auto").strip().lower()
+    choice = (requested or read_env(PROTOCOL_ENV) or "auto").strip().lower()
     if choice == "auto":
         return "rdma" if verbs_devices() else "tcp"
     if choice not in ("rdma", "tcp"):
@@ -125,7 +125,7 @@ def choose_protocol(requested: str | None = None) -> str:
 
 def open_engine(host: str, protocol: str, name: str | None = None) -> Engine:
     """Start the named engine (option, else ``BIMETAL_DD_ENGINE``, else mooncake) on ``host``."""
-    engine_name = (name or os.environ.get(ENGINE_ENV) or "mooncake").strip().lower()
+    engine_name = (name or read_env(ENGINE_ENV) or "mooncake").strip().lower()
     if engine_name not in ENGINES:
         raise EngineUnavailableError(
             f"unknown device-direct engine {engine_name!r}; set {ENGINE_ENV} to one of {', '.join(ENGINES)}"

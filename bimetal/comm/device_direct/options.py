@@ -19,6 +19,8 @@ from typing import Any
 import torch
 
 from bimetal.comm.device_direct.engine import EngineUnavailableError
+from bimetal.env import read as read_env
+from bimetal.errors import UserError
 
 FALLBACKS = ("error", "cpu-forward")
 MAX_INLINE = 256 << 10  # the largest payload a control frame may carry
@@ -120,7 +122,13 @@ class DeviceDirectOptions:
 
         def get(key: str, default: Any) -> Any:
             value = getattr(self, key)
-            return os.environ.get(f"BIMETAL_DD_{key.upper()}", default) if value is None else value
+            if value is not None:
+                return value
+            try:
+                raw = read_env(f"BIMETAL_DD_{key.upper()}")  # the table's check: one sentence naming the variable
+            except UserError as exc:
+                raise EngineUnavailableError(str(exc)) from None
+            return default if raw is None else raw
 
         fallback = str(get("fallback", "error")).strip().lower()
         if fallback not in FALLBACKS:

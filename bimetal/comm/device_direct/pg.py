@@ -11,7 +11,6 @@ reserved tags.
 from __future__ import annotations
 
 import atexit
-import json
 import threading
 import weakref
 from datetime import timedelta
@@ -25,6 +24,7 @@ from bimetal.comm.device_direct.engine import Engine
 from bimetal.comm.device_direct.notes import check_record
 from bimetal.comm.device_direct.options import DeviceDirectSettings
 from bimetal.comm.device_direct.proxy import Proxy
+from bimetal.topology import store_exchange
 
 _BCAST_TAG, _REDUCE_TAG, _BARRIER_TAG = -1, -2, -3  # user tags are >= 0, so collectives never steal a message
 _REDUCE = {dist.ReduceOp.SUM: torch.Tensor.add_, dist.ReduceOp.AVG: torch.Tensor.add_,
@@ -33,11 +33,11 @@ _REDUCE = {dist.ReduceOp.SUM: torch.Tensor.add_, dist.ReduceOp.AVG: torch.Tensor
 
 
 def _publish(store: dist.Store, rank: int, record: dict[str, Any]) -> None:
-    store.set(f"bimetal_dd/{rank}", json.dumps(record))
+    store_exchange.publish(store, "bimetal_dd", rank, record)
 
 
 def _read(store: dist.Store, peer: int) -> dict[str, Any]:
-    return check_record(peer, json.loads(store.get(f"bimetal_dd/{peer}")))
+    return store_exchange.gather(store, "bimetal_dd", [peer], decode=lambda value, r: check_record(r, value))[0]
 
 
 class DeviceDirectProcessGroup(BimetalProcessGroup):

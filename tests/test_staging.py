@@ -24,7 +24,7 @@ from launcher import clean_env, launch
 from test_op_table import ROWS
 
 from bimetal.comm.cpu_forward.pg import CpuForwardProcessGroup
-from bimetal.comm.staging import ALIGN, HostCopyDouble, PinnedPool, plan_rounds
+from bimetal.comm.staging import ALIGN, CALLER_DOUBLE, DoubleEvent, HostCopyDouble, PinnedPool, plan_rounds
 from bimetal.comm.striping import CpuForwardOptions, build_stripes
 
 HERE = Path(__file__).resolve().parent
@@ -171,6 +171,79 @@ def test_staged_collectives_and_p2p_match_gloo_bit_for_bit() -> None:
     _world(size, body, opts)
 
 
+def test_uneven_all_to_all_runs_in_rounds_under_the_pool_bound_and_matches_gloo() -> None:
+    """All-to-all with uneven splits (single tensor, rows of a 2-D tensor, and lists), each call needing far more
+    staging than the pool's two slabs: it proceeds in rounds (parts that end early move nothing in later rounds)
+    and is bit-identical to plain Gloo; the pool never holds more than its bound."""
+    opts = CpuForwardOptions(stripes=1, chunk_bytes=4096, pool_buffers=2).resolved()
+    size = 3
+    held: list[tuple[int, int, int]] = []
+
+    def body(pg: CpuForwardProcessGroup, ref: dist.ProcessGroup, r: int) -> None:
+        g = torch.Generator().manual_seed(40 + r)
+        rows = [[700, 0, 2100], [5, 1300, 64], [999, 1, 0]]  # rows[src][dst]: peer r sends rows[r][p] to p
+        split_in = rows[r]
+        split_out = [rows[p][r] for p in range(size)]
+        for dtype in (torch.float32, torch.bfloat16, torch.int64):
+            x = (torch.randn(sum(split_in), 3, generator=g) * 100).to(dtype)  # 3 elements a row
+            got = torch.empty(sum(split_out), 3, dtype=dtype)
+            want = torch.empty_like(got)
+            pg.alltoall_base(got, x, split_out, split_in).wait()
+            ref.alltoall_base(want, x, split_out, split_in).wait()
+            assert torch.equal(got, want), ("all_to_all_single", dtype, r)
+            ins = [(torch.arange(rows[r][p] * 2, dtype=torch.float32) * (r + 1) + p).to(dtype) for p in range(size)]
+            outs = [torch.empty(rows[p][r] * 2, dtype=dtype) for p in range(size)]
+            pg.alltoall(outs, ins).wait()
+            # (Gloo's list all-to-all refuses parts of different lengths: its single-tensor one is the reference)
+            ref_flat = torch.empty(sum(t.numel() for t in outs), dtype=dtype)
+            ref.alltoall_base(ref_flat, torch.cat(ins), [t.numel() for t in outs], [t.numel() for t in ins]).wait()
+            assert torch.equal(torch.cat(outs), ref_flat), ("all_to_all", dtype, r)
+        held.append((pg.pool.held_bytes, pg.pool.max_bytes, pg.comm_stats()["bytes_staged"]))
+
+    _world(size, body, opts)
+    assert len(held) == size
+    for nbytes, bound, staged in held:
+        assert 0 < nbytes <= bound == 2 * 4096 and staged > 4 * bound  # rounds, not one slab for the whole call
+
+
+@pytest.mark.parametrize("stripes", [1, 2])
+def test_wait_on_a_staged_op_orders_the_callers_stream_instead_of_synchronizing(stripes: int) -> None:
+    """``Work.wait()`` of a staged all-reduce and a staged receive: the op's end event (recorded on the
+    host-to-device stream double after its last copies) is what the caller's current stream double was made
+    to wait for, by ``wait()`` and not before, and nobody called ``synchronize`` on it. (``HostCopyDouble``
+    stands in for the copy and current streams; on a GPU the same calls go to ``torch.cuda``.)"""
+    opts = CpuForwardOptions(stripes=stripes, chunk_bytes=4096, pool_buffers=8).resolved()
+    checked: list[int] = []
+
+    def ordered(pg: CpuForwardProcessGroup, work: dist.Work) -> None:
+        end = work.end  # type: ignore[attr-defined]
+        assert end is not None and end.device == torch.device("cpu")
+        work.get_future().wait()  # completed: the end event is set, the caller's stream not yet ordered on it
+        event = end.event
+        assert isinstance(event, DoubleEvent) and event.stream is pg.streams.pair(torch.device("cpu"))[1]
+        assert not any(e is event for e in CALLER_DOUBLE.waited)
+        work.wait()
+        assert any(e is event for e in CALLER_DOUBLE.waited) and event.synchronized == 0
+
+    def body(pg: CpuForwardProcessGroup, ref: dist.ProcessGroup, r: int) -> None:
+        x = torch.arange(20_000, dtype=torch.float32) * (r + 1)
+        work = pg.allreduce([x])
+        ordered(pg, work)
+        assert work.get_future().value() == [x] and torch.equal(x, torch.arange(20_000, dtype=torch.float32) * 3)
+        t = torch.arange(30_000, dtype=torch.int32) + r
+        if r == 0:
+            pg.send([t], 1, 0).wait()
+        else:
+            got = torch.empty_like(t)
+            work = pg.recv([got], 0, 0)
+            ordered(pg, work)
+            assert torch.equal(got, t - 1)
+        checked.append(r)
+
+    _world(2, body, opts)
+    assert sorted(checked) == [0, 1]
+
+
 def test_pool_bound_is_bytes_not_a_shape() -> None:
     pool = PinnedPool(max_bytes=3 * 4096, slab_bytes=4096, pin=False)
     held = [pool.take(dt, 4096 // torch.empty((), dtype=dt).element_size(), TIMEOUT)
@@ -179,6 +252,18 @@ def test_pool_bound_is_bytes_not_a_shape() -> None:
     for h in held:
         pool.give(h)
     assert pool.try_take(torch.int8, 4096) is not None and pool.allocations == 3
+    # a slab announced as returning (an op completed for its caller, its last copies still running) is waited
+    # for rather than a new one allocated
+    pool = PinnedPool(max_bytes=2 * 4096, slab_bytes=4096, pin=False)
+    first = pool.take(torch.uint8, 4096, TIMEOUT)
+    pool.returning(1)
+    assert pool.try_take(torch.uint8, 1) is None
+    timer = threading.Timer(0.2, lambda: pool.give(first, expected=True))
+    timer.start()
+    again = pool.take(torch.float32, 1024, TIMEOUT)
+    timer.join()
+    assert again.data_ptr() == first.data_ptr() and pool.allocations == 1
+    assert pool.try_take(torch.uint8, 1) is not None and pool.allocations == 2  # nothing returning: allocates
 
 
 def test_op_table_with_staging_forced_matches_gloo(tmp_path) -> None:
@@ -191,7 +276,7 @@ def test_op_table_with_staging_forced_matches_gloo(tmp_path) -> None:
         rows = json.loads(f.read_text())
         for transport in ("cpu-forward/k1", "cpu-forward/k2"):
             mine = [r for r in rows if r["transport"] == transport]
-            assert len(mine) == ROWS[transport] + 1, (f.name, transport, len(mine))  # + the staging.forced row
+            assert len(mine) == ROWS[transport] + 2, (f.name, transport, len(mine))  # + the two staging.* rows
             bad = [f"{r['case']}: {r['detail']}" for r in mine if not r["ok"]]
             assert not bad, f"{f.name} {transport}: " + "\n".join(bad[:10])
     assert len(list(tmp_path.glob("rank*.json"))) == 2

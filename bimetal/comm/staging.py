@@ -9,13 +9,18 @@ slab (``plan_rounds``) instead of waiting for buffers that can never come. After
 Copies run on side streams with one event each, so the copy of piece i+1 overlaps the wire of piece i.
 Stream order is torch's: the op is captured on the caller's thread with an event on the producer's current
 stream (``capture``), the side streams wait for that event (never a device-wide synchronize), and source
-tensors are held by ``record_stream`` until their copies finish. Every ``torch.cuda`` call is behind a device
-check: CPU tensors whose staging is forced (``BIMETAL_CF_FORCE_STAGING=1``, for tests and the GPU check's
-``--cpu`` mode) go through ``HostCopyDouble``, a test double for the copy engine that copies synchronously.
+tensors are held by ``record_stream`` until their copies finish. A staged op ends for its caller with an event
+recorded on the host-to-device stream after its last copies (``OpEnd``): ``Work.wait()`` makes the caller's
+current stream wait for it, and the worker returns the slabs once the copies ran (``settle``). Every
+``torch.cuda`` call is behind a device check: CPU tensors whose staging is forced
+(``BIMETAL_CF_FORCE_STAGING=1``, for tests and the GPU check's ``--cpu`` mode) go through ``HostCopyDouble``, a
+test double for the copy engine (and, as ``CALLER_DOUBLE``, the caller's current stream) that copies
+synchronously and records which events a stream was made to wait for.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from datetime import timedelta
 
@@ -60,6 +65,7 @@ class PinnedPool:
         self._free: list[torch.Tensor] = []
         self._slabs: dict[int, torch.Tensor] = {}  # data pointer -> slab
         self._cond = threading.Condition()
+        self._returning = 0  # slabs of ops completed for their caller, back once their last copies ran (settle)
         self.allocations = 0
         """Slabs allocated so far (flat after warm-up: the test of 'no allocation per call')."""
 
@@ -71,7 +77,7 @@ class PinnedPool:
     def _slab(self, timeout: timedelta, wait: bool) -> torch.Tensor | None:
         with self._cond:
             while not self._free:
-                if len(self._slabs) < self.capacity:
+                if len(self._slabs) < self.capacity and not self._returning:  # (a returning slab is waited for)
                     slab = torch.empty(self.slab_bytes, dtype=torch.uint8, pin_memory=self._pin)
                     self._slabs[slab.data_ptr()] = slab
                     self.allocations += 1
@@ -100,11 +106,21 @@ class PinnedPool:
         if numel * _esize(dtype) > self.slab_bytes:
             raise ValueError(f"{numel} x {dtype} does not fit one staging slab of {self.slab_bytes} bytes")
 
-    def give(self, buf: torch.Tensor) -> None:
-        """Return a buffer ``take`` handed out (any view starting at its slab's first byte)."""
+    def give(self, buf: torch.Tensor, expected: bool = False) -> None:
+        """Return a buffer ``take`` handed out (any view starting at its slab's first byte); ``expected``: one
+        announced by ``returning``."""
         with self._cond:
             self._free.append(self._slabs[buf.data_ptr()])
+            if expected:
+                self._returning -= 1
             self._cond.notify_all()
+
+    def returning(self, count: int) -> None:
+        """``count`` slabs in use will come back by themselves (their copies are enqueued, ``settle``): until
+        they do, a take waits for them rather than allocating (no allocation after warm-up, whatever the
+        timing of those copies), and ``try_take`` answers None."""
+        with self._cond:
+            self._returning += count
 
 
 def _esize(dtype: torch.dtype) -> int:
@@ -127,23 +143,75 @@ def plan_rounds(unit: int, pieces: int, element_size: int, slab_bytes: int) -> l
     return [(a, min(unit, a + per)) for a in range(0, unit, per)]
 
 
-class _DoneEvent:
-    """The event of a copy the double made: already complete."""
+class DoubleEvent:
+    """An event the copy double recorded: complete at once (its copies ran synchronously). It counts the
+    ``synchronize`` calls made on it, so a test can tell a stream-ordered wait from a blocking one."""
+
+    def __init__(self, stream: HostCopyDouble):
+        self.stream = stream
+        self.synchronized = 0
 
     def synchronize(self) -> None:
-        pass
+        self.synchronized += 1
 
     def query(self) -> bool:
         return True
 
 
 class HostCopyDouble:
-    """Test double for a device copy stream, used only for CPU tensors whose staging is forced: copies run at
-    once on the calling thread and their events are already complete. The staged code paths above it (pool,
-    rounds, pipelining, counters) are the ones device tensors take."""
+    """Test double for a device stream, used only for CPU tensors whose staging is forced: copies run at once on
+    the calling thread and their events are already complete. The staged code paths above it (pool, rounds,
+    pipelining, counters, the end event a ``Work`` orders the caller's stream on) are the ones device tensors
+    take. ``waited`` lists the events this stream was made to wait for (``wait_event``), in order."""
+
+    def __init__(self) -> None:
+        self.waited: list[object] = []
+        self._lock = threading.Lock()
 
     def wait_event(self, event: object) -> None:
-        pass
+        with self._lock:
+            self.waited.append(event)
+
+
+CALLER_DOUBLE = HostCopyDouble()
+"""The double of the caller's current stream for CPU tensors (``current_stream``); a staged op's ``Work.wait()``
+makes it wait for the op's end event, as it makes ``torch.cuda.current_stream()`` wait on a GPU."""
+
+
+def current_stream(device: torch.device) -> object:
+    """The caller's current stream of ``device`` (the double ``CALLER_DOUBLE`` for CPU)."""
+    return CALLER_DOUBLE if device.type == "cpu" else torch.cuda.current_stream(device)
+
+
+def record_end(stream: object) -> object:
+    """An event recorded on ``stream`` after everything enqueued on it so far (a staged op's end)."""
+    if isinstance(stream, HostCopyDouble):
+        return DoubleEvent(stream)
+    event = torch.cuda.Event()
+    event.record(stream)  # type: ignore[arg-type]
+    return event
+
+
+def on_stream(stream: object) -> contextlib.AbstractContextManager[object]:
+    """``torch.cuda.stream(stream)`` for a device stream; nothing for the double."""
+    if isinstance(stream, HostCopyDouble):
+        return contextlib.nullcontext()
+    return torch.cuda.stream(stream)  # type: ignore[arg-type]
+
+
+class OpEnd:
+    """Where a staged op ends for its caller: the event recorded on its host-to-device stream after its last
+    copy (set on the worker before the op's future completes) and the device whose current stream ``order``
+    makes wait for it. None while the op has no device outputs (sends, host ops)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.event: object | None = None
+
+    def order(self) -> None:
+        """Make the caller's current stream wait for the op's end (never blocks the Python thread)."""
+        if self.event is not None:
+            current_stream(self.device).wait_event(self.event)  # type: ignore[attr-defined]
 
 
 class CopyStreams:
@@ -188,7 +256,7 @@ def copy_to_host(src: torch.Tensor, dst: torch.Tensor, stream: object) -> object
     """
     if isinstance(stream, HostCopyDouble):
         dst.copy_(src)
-        return _DoneEvent()
+        return DoubleEvent(stream)
     with torch.cuda.stream(stream):  # type: ignore[arg-type]
         dst.copy_(src, non_blocking=True)
         src.record_stream(stream)  # type: ignore[arg-type]
@@ -201,10 +269,25 @@ def copy_to_device(src: torch.Tensor, dst: torch.Tensor, stream: object) -> obje
     """Enqueue ``dst.copy_(src)`` (host -> device) on ``stream``; ``dst`` is held until it ran. Returns its event."""
     if isinstance(stream, HostCopyDouble):
         dst.copy_(src)
-        return _DoneEvent()
+        return DoubleEvent(stream)
     with torch.cuda.stream(stream):  # type: ignore[arg-type]
         dst.copy_(src, non_blocking=True)
         dst.record_stream(stream)  # type: ignore[arg-type]
         event = torch.cuda.Event()
         event.record(stream)  # type: ignore[arg-type]
     return event
+
+
+def settle(kept: list[tuple[object, torch.Tensor]], pool: PinnedPool) -> None:
+    """On the worker, after the op completed for its caller: wait for the host-to-device copies it left enqueued
+    ((event, slab) pairs, announced with ``pool.returning``) and give their slabs back to the pool."""
+    error: BaseException | None = None
+    while kept:
+        event, slab = kept.pop(0)
+        try:
+            event.synchronize()  # type: ignore[attr-defined]
+        except BaseException as exc:  # (a device error: raised once every slab is back in the pool's count)
+            error = error or exc
+        pool.give(slab, expected=True)
+    if error is not None:
+        raise error

@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -71,18 +72,29 @@ class BimetalWork(dist.Work):
 
     (torch's own future-wrapping work swallows the exception in ``wait()``, which would turn a failed
     transfer into silently wrong data; hence a Python subclass.)
+
+    ``end``: an op whose results reach the device on a side stream (``staging.OpEnd``): ``wait()`` returns once
+    the future completed (the copies are enqueued, not finished) and makes the caller's current stream wait
+    for the op's end event, as torch's NCCL work does; the Python thread is not blocked on device work.
     """
 
-    def __init__(self, future: torch.futures.Future):
+    def __init__(self, future: torch.futures.Future, end: Any = None):
         super().__init__()
-        self._future = future
+        self._future, self._end = future, end
 
     def wait(self, timeout: timedelta | None = None) -> bool:  # type: ignore[override]
         self._future.wait()
+        if self._end is not None:
+            self._end.order()
         return True
 
     def get_future(self) -> torch.futures.Future:  # type: ignore[override]
         return self._future
+
+    @property
+    def end(self) -> Any:
+        """The op's ``staging.OpEnd`` (None for an op with nothing to order on a device stream)."""
+        return self._end
 
     def is_completed(self) -> bool:  # type: ignore[override]
         return self._future.done()
@@ -106,12 +118,12 @@ class BimetalWork(dist.Work):
         return None
 
     def synchronize(self) -> None:  # type: ignore[override]
-        self._future.wait()
+        self.wait()
 
 
-def make_work(future: torch.futures.Future) -> dist.Work:
-    """A torch ``Work`` whose ``wait()`` and ``get_future()`` follow ``future``."""
-    return BimetalWork(future)
+def make_work(future: torch.futures.Future, end: Any = None) -> dist.Work:
+    """A torch ``Work`` whose ``wait()`` and ``get_future()`` follow ``future`` (``end``: see ``BimetalWork``)."""
+    return BimetalWork(future, end)
 
 
 def completed_work(value: object = None) -> dist.Work:

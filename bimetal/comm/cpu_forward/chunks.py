@@ -161,6 +161,10 @@ class StagedRecv:
         event.synchronize()  # type: ignore[attr-defined]
         self.pool.give(buf)
 
-    def finish(self) -> None:
-        while self.copying:
-            self._retire()
+    def enqueued(self) -> list[tuple[object, torch.Tensor]]:
+        """The copies still running and their buffers, handed over (``staging.settle`` gives them back once the
+        op completed for its caller in stream order)."""
+        out = list(self.copying)
+        self.copying.clear()
+        self.pool.returning(len(out))
+        return out

@@ -3,9 +3,10 @@ order (the same on every rank).
 
 CPU tensors go to Gloo as they are (a contiguous host stand-in for a strided or device one). Device tensors
 (or CPU ones with ``BIMETAL_CF_FORCE_STAGING=1``) run in rounds through the pinned pool (``rounds``,
-``staged_ops``), except all-to-all with uneven splits and the coalesced all-gather of lists, which stage whole
-tensors per call. Element-wise ops on large tensors are split over the stripes. Collectives do not fail over:
-on a degraded stripe they fail with an error saying so. Each function is the group's ``_do_<op>``.
+``staged_ops``), except the coalesced all-gather of lists, which stages whole tensors per call; all-to-all with
+uneven splits first agrees on its longest part (one 8-byte all-reduce), then goes in rounds as the others
+do. Element-wise ops on large tensors are split over the stripes. Collectives do not fail over: on a
+degraded stripe they fail with an error saying so. Each function is the group's ``_do_<op>``.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from bimetal.comm.base import OpRecord
 from bimetal.comm.cpu_forward import rounds
 from bimetal.comm.cpu_forward import staged_ops as so
 from bimetal.comm.cpu_forward.work import Deadline
-from bimetal.comm.staging import capture, copy_to_device, is_device
+from bimetal.comm.staging import OpEnd, capture, copy_to_device, is_device, on_stream, record_end, settle
 
 if TYPE_CHECKING:
     from bimetal.comm.cpu_forward.pg import CpuForwardProcessGroup
@@ -45,7 +46,8 @@ def run(pg: CpuForwardProcessGroup, op: OpRecord, ins: list[torch.Tensor], outs:
     """Run ``call(host)`` on the collective worker; ``host(t)`` is t's host (contiguous) stand-in. With device
     tensors (or staging forced), ``staged(flat, stripe)`` instead: the op in rounds through the pool."""
     if staged is not None and pg.stages(*ins, *outs):
-        return pg.workers.submit("collective", op, _staged_body(pg, ins, outs, staged))
+        end = OpEnd((ins or outs)[0].device)
+        return pg.workers.submit("collective", op, _staged_body(pg, ins, outs, staged, end), end)
 
     def body(d: Deadline) -> list[torch.Tensor]:  # returns the outputs: the future's value, like NCCL's
         stand_in: dict[int, torch.Tensor] = {}
@@ -77,9 +79,11 @@ def run(pg: CpuForwardProcessGroup, op: OpRecord, ins: list[torch.Tensor], outs:
 
 
 def _staged_body(pg: CpuForwardProcessGroup, ins: list[torch.Tensor], outs: list[torch.Tensor],
-                 staged: StagedPlan) -> Callable[[Deadline], list[torch.Tensor]]:
+                 staged: StagedPlan, end: OpEnd) -> Callable[[Deadline], list[torch.Tensor]]:
     """On the caller's thread: flat contiguous views (a contiguous copy, made on the producer's stream, for a
-    strided tensor) and the producer's event; the returned body runs the rounds on the worker."""
+    strided tensor) and the producer's event; the returned body runs the rounds on the worker. The op
+    completes once its last host-to-device copies are enqueued (``end`` holds their event; the caller's
+    ``wait()`` orders its stream on it); the worker then waits for them and gives their slabs back."""
     flat: dict[int, torch.Tensor] = {}
     for t in (*ins, *outs):
         if id(t) not in flat:
@@ -90,16 +94,24 @@ def _staged_body(pg: CpuForwardProcessGroup, ins: list[torch.Tensor], outs: list
             else:
                 flat[id(t)] = torch.empty(t.numel(), dtype=t.dtype, device=t.device)
     ready = capture([*ins, *outs])
-    device = (ins or outs)[0].device
+    device = end.device
 
     def body(d: Deadline) -> list[torch.Tensor]:
         streams = pg.streams.pair(device)
         ops = staged(lambda t: flat[id(t)], lambda i: pg.stripe(i % len(pg.stripes)))
-        nbytes = sum(rounds.run(s, pg.pool, streams, ready, d, pg.timeout) for s in ops)
-        for t in outs:
-            if not t.is_contiguous():
-                copy_to_device(flat[id(t)].view(t.shape), t, streams[1]).synchronize()  # type: ignore[attr-defined]
-        pg.counters.add(bytes_staged=nbytes)
+        kept: list[tuple[object, torch.Tensor]] = []
+        try:
+            nbytes = sum(rounds.run(s, pg.pool, streams, ready, d, pg.timeout, kept if i == len(ops) - 1 else None)
+                         for i, s in enumerate(ops))
+            for t in outs:
+                if not t.is_contiguous():  # (device to device, after the rounds' copies on the same stream)
+                    copy_to_device(flat[id(t)].view(t.shape), t, streams[1])
+            pg.counters.add(bytes_staged=nbytes)
+            end.event = record_end(streams[1])
+            with on_stream(streams[1]):  # a device-aware future records the stream's position here
+                d.complete(list(outs))
+        finally:
+            settle(kept, pg.pool)
         return list(outs)
 
     return body
@@ -198,17 +210,45 @@ def alltoall_single(pg: CpuForwardProcessGroup, op: OpRecord, output: torch.Tens
     size = pg.size()
     equal = all(len(set(s)) <= 1 for s in (output_split_sizes, input_split_sizes)) and \
         input.numel() % size == 0 and output.numel() == input.numel()
+
+    def uneven(f: Host, st: so.Stripe) -> list[rounds.Staged]:
+        outs = _split(f(output), output, output_split_sizes, size)
+        ins = _split(f(input), input, input_split_sizes, size)
+        return [so.all_to_all_uneven(outs, ins, st, _agreed_unit(pg, outs + ins))]
+
     return run(pg, op, [input], [output], lambda h: [pg.stripe(0).alltoall_base(
         h(output), h(input), output_split_sizes, input_split_sizes, AllToAllOptions())],
-        (lambda f, st: [so.all_to_all_equal(f(output), f(input), st, size)]) if equal else None)
+        (lambda f, st: [so.all_to_all_equal(f(output), f(input), st, size)]) if equal else uneven)
 
 
 def alltoall(pg: CpuForwardProcessGroup, op: OpRecord, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
              opts: Any) -> dist.Work:
     equal = len({t.numel() for t in (*inputs, *outputs)}) == 1
+
+    def uneven(f: Host, st: so.Stripe) -> list[rounds.Staged]:
+        outs, ins = [f(t) for t in outputs], [f(t) for t in inputs]
+        return [so.all_to_all_uneven(outs, ins, st, _agreed_unit(pg, outs + ins))]
+
     return run(pg, op, inputs, outputs, lambda h: [pg.stripe(0).alltoall(
         [h(t) for t in outputs], [h(t) for t in inputs], AllToAllOptions())],
-        (lambda f, st: [so.all_to_all([f(t) for t in outputs], [f(t) for t in inputs], st)]) if equal else None)
+        (lambda f, st: [so.all_to_all([f(t) for t in outputs], [f(t) for t in inputs], st)]) if equal else uneven)
+
+
+def _split(flat: torch.Tensor, t: torch.Tensor, splits: list[int], size: int) -> list[torch.Tensor]:
+    """``t``'s flat view cut into its per-peer parts: ``splits`` rows of dim 0 each (equal parts when empty)."""
+    row = t.numel() // t.shape[0] if t.dim() and t.shape[0] else 1
+    counts = [s * row for s in splits] if splits else [t.numel() // size] * size
+    return list(flat.split(counts))
+
+
+def _agreed_unit(pg: CpuForwardProcessGroup, parts: list[torch.Tensor]) -> int:
+    """The longest part of an uneven all-to-all on any rank (one 8-byte max all-reduce on stripe 0, in the
+    collective's turn): every rank must cut it into the same rounds, and each knows only its own splits."""
+    longest = torch.tensor([max((p.numel() for p in parts), default=0)], dtype=torch.int64)
+    o = AllreduceOptions()
+    o.reduceOp = dist.ReduceOp.MAX  # type: ignore[assignment]
+    pg.stripe(0).allreduce([longest], o).wait()
+    return int(longest.item())
 
 
 def barrier(pg: CpuForwardProcessGroup, op: OpRecord, opts: Any) -> dist.Work:

@@ -23,7 +23,7 @@ from bimetal.comm.base import OpRecord, TransportError
 from bimetal.comm.cpu_forward import pipeline
 from bimetal.comm.cpu_forward.chunks import HostChunks, StagedRecv, StagedSend
 from bimetal.comm.cpu_forward.work import Deadline, DirectWork
-from bimetal.comm.staging import after, capture
+from bimetal.comm.staging import OpEnd, after, capture
 
 if TYPE_CHECKING:
     from bimetal.comm.cpu_forward.pg import CpuForwardProcessGroup
@@ -48,13 +48,15 @@ def send(pg: CpuForwardProcessGroup, op: OpRecord, tensors: list[torch.Tensor], 
 def recv(pg: CpuForwardProcessGroup, op: OpRecord, tensors: list[torch.Tensor], src: int, tag: int) -> dist.Work:
     (tensor,) = tensors
     key = ("recv", src)
+    end = OpEnd(tensor.device) if pg.stages(tensor) else None  # staged: wait() orders the caller's stream
     if len(pg.stripes) > 1:
         turn = pg.turn("recv", src)
         ready = capture([tensor])
-        return pg.workers.submit(key, op, lambda d: _recv_failover(pg, tensor, src, tag, turn, d, ready))
-    if pg.stages(tensor):
+        return pg.workers.submit(key, op, lambda d: _recv_failover(pg, tensor, src, tag, turn, d, ready, end), end)
+    if end is not None:
         ready = capture([tensor])
-        return pg.workers.submit(key, op, lambda d: pipeline.recv_staged(pg, tensor, src, tag, 0, d, ready))
+        return pg.workers.submit(key, op, lambda d: pipeline.recv_staged(pg, tensor, src, tag, 0, d, end, ready),
+                                 end)
     if pg.workers.direct(key):
         return _post_direct(pg, op, lambda: _post_recv_host(pg, tensor, src, tag, op))
     return pg.workers.submit(key, op, lambda d: _wait_all(d, *_post_recv_host(pg, tensor, src, tag, op)))
@@ -108,24 +110,16 @@ def _send_failover(pg: CpuForwardProcessGroup, tensor: torch.Tensor, dst: int, t
 
 
 def _recv_failover(pg: CpuForwardProcessGroup, tensor: torch.Tensor, src: int, tag: int, turn: int, d: Deadline,
-                   ready: object | None = None) -> None:
+                   ready: object | None = None, end: OpEnd | None = None) -> None:
     key = ("recv", src)
-    if pg.stages(tensor):
+    if end is not None:
         stream = pg.streams.pair(tensor.device)[1]
         after(stream, ready)
         out = tensor.detach().view(-1) if tensor.is_contiguous() else torch.empty_like(tensor).view(-1)
         t, ranges = pg.failover.transfer(key, tag, turn, out, d, pg.depth())
         staged = StagedRecv(out, ranges, pg.pool, stream, pg.timeout, pg.depth(), pg.pool_numel(out))
 
-        def complete_staged() -> None:
-            staged.finish()
-            if not tensor.is_contiguous():
-                tensor.detach().copy_(out.view(tensor.shape))
-            pg.counters.add(bytes_received=out.numel() * out.element_size(),
-                            bytes_staged=out.numel() * out.element_size())
-            d.release()
-
-        t.recv(staged, None, complete_staged)
+        t.recv(staged, None, lambda: pipeline.complete_in_stream_order(pg, staged, tensor, out, stream, end, d))
         pg.failover.settled(key, t)
         return
     direct = tensor.is_contiguous()

@@ -15,7 +15,7 @@ import torch
 
 from bimetal.comm.cpu_forward.chunks import StagedRecv, StagedSend
 from bimetal.comm.cpu_forward.work import Deadline
-from bimetal.comm.staging import after
+from bimetal.comm.staging import OpEnd, after, copy_to_device, on_stream, record_end, settle
 
 if TYPE_CHECKING:
     from bimetal.comm.cpu_forward.pg import CpuForwardProcessGroup
@@ -66,7 +66,7 @@ def send_staged(pg: CpuForwardProcessGroup, tensor: torch.Tensor, dst: int, tag:
 
 
 def recv_staged(pg: CpuForwardProcessGroup, tensor: torch.Tensor, src: int, tag: int, first: int, d: Deadline,
-                ready: object | None = None) -> None:
+                end: OpEnd, ready: object | None = None) -> None:
     out = tensor.detach().view(-1) if tensor.is_contiguous() else torch.empty_like(tensor).view(-1)
     _, h2d = pg.streams.pair(tensor.device)
     after(h2d, ready)
@@ -75,8 +75,21 @@ def recv_staged(pg: CpuForwardProcessGroup, tensor: torch.Tensor, src: int, tag:
     io = StagedRecv(out, [(a, b) for a, b, _ in plan], pg.pool, h2d, pg.timeout, depth, pg.pool_numel(out))
     pump(io, [(j, s) for j, (_, _, s) in enumerate(plan)], lambda s, buf: pg.stripes[s].recv([buf], src, tag),
          d, depth)
-    io.finish()
-    if not tensor.is_contiguous():
-        tensor.detach().copy_(out.view(tensor.shape))
-    nbytes = out.numel() * out.element_size()
-    pg.counters.add(bytes_received=nbytes, bytes_staged=nbytes)
+    complete_in_stream_order(pg, io, tensor, out, h2d, end, d)
+
+
+def complete_in_stream_order(pg: CpuForwardProcessGroup, io: StagedRecv, tensor: torch.Tensor, out: torch.Tensor,
+                             h2d: object, end: OpEnd, d: Deadline) -> None:
+    """Every chunk of a staged receive is in and its last copies are enqueued: complete the op for its caller
+    (``end``'s event; ``wait()`` orders the caller's stream on it), then wait for the copies, free their slabs."""
+    kept = io.enqueued()
+    try:
+        if not tensor.is_contiguous():  # (device to device, after the chunks' copies on the same stream)
+            copy_to_device(out.view(tensor.shape), tensor.detach(), h2d)
+        nbytes = out.numel() * out.element_size()
+        pg.counters.add(bytes_received=nbytes, bytes_staged=nbytes)
+        end.event = record_end(h2d)
+        with on_stream(h2d):  # a device-aware future records the stream's position here
+            d.complete([tensor])
+    finally:
+        settle(kept, pg.pool)

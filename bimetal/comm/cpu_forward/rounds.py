@@ -23,7 +23,8 @@ from bimetal.comm.cpu_forward.work import Deadline
 from bimetal.comm.staging import PinnedPool, after, aligned, copy_to_device, copy_to_host, plan_rounds
 
 Slices = Callable[[int, int], list[torch.Tensor]]
-"""(a, b) -> the device slices of a round (each b - a elements, or empty)."""
+"""(a, b) -> the device slices of a round: each one tensor's part of [a, b), b - a elements or fewer (a part of
+an uneven all-to-all may end before b, or hold nothing in that round)."""
 Post = Callable[[list[torch.Tensor], list[torch.Tensor], int], list[Any]]
 """(load regions, store regions, round index) -> the Gloo works of the round."""
 
@@ -54,21 +55,32 @@ class _Round:
     works: list[Any]
 
 
-def _regions(slab: torch.Tensor, dtype: torch.dtype, n: int, load: int, store: int, same: bool
+def _regions(slab: torch.Tensor, dtype: torch.dtype, loads: list[int], stores: list[int], same: bool
              ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Host regions of a round: one per loaded slice (``loads``: their lengths), packed one after another from
+    the slab's first byte, and one per stored slice after the next aligned byte (the same regions when
+    ``same``). Equal lengths give the rank-major layout of the round's part of the unit."""
     esize = torch.empty((), dtype=dtype).element_size()
-    bytes_a = aligned(max(load, store if same else 0) * n * esize)
     raw = slab.view(torch.uint8)
-    a = [raw[i * n * esize:(i + 1) * n * esize].view(dtype) for i in range(max(load, store) if same else load)]
+
+    def packed(lengths: list[int], start: int) -> list[torch.Tensor]:
+        out, at = [], start
+        for n in lengths:
+            out.append(raw[at:at + n * esize].view(dtype))
+            at += n * esize
+        return out
+
     if same:
+        a = packed(loads if len(loads) >= len(stores) else stores, 0)
         return a, a
-    b = [raw[bytes_a + i * n * esize:bytes_a + (i + 1) * n * esize].view(dtype) for i in range(store)]
-    return a, b
+    return packed(loads, 0), packed(stores, aligned(sum(loads) * esize))
 
 
 def run(op: Staged, pool: PinnedPool, streams: tuple[object, object], ready: object | None, d: Deadline,
-        timeout: timedelta) -> int:
-    """Run ``op`` in rounds; returns the bytes staged (copied either way)."""
+        timeout: timedelta, keep: list[tuple[object, torch.Tensor]] | None = None) -> int:
+    """Run ``op`` in rounds; returns the bytes staged (copied either way). The last rounds' host-to-device
+    copies are waited for and their slabs given back, or, with ``keep``, left enqueued and appended to it as
+    (event, slab): the op's caller may go on in stream order first, ``staging.settle`` returns them after."""
     d2h, h2d = streams
     after(d2h, ready)
     after(h2d, ready)  # the outputs may still be read by the producer's stream
@@ -113,7 +125,7 @@ def run(op: Staged, pool: PinnedPool, streams: tuple[object, object], ready: obj
     for i, (a, b) in enumerate(ranges):
         s = slab()
         loads, stores = op.load(a, b), op.store(a, b)
-        ra, rb = _regions(s, op.dtype, b - a, len(loads), len(stores), op.same)
+        ra, rb = _regions(s, op.dtype, [t.numel() for t in loads], [t.numel() for t in stores], op.same)
         events = []
         for src, dst in zip(loads, ra):
             events.append(copy_to_host(src, dst, d2h))
@@ -126,6 +138,11 @@ def run(op: Staged, pool: PinnedPool, streams: tuple[object, object], ready: obj
             land()
     while on_wire:
         land()
+    if keep is not None:
+        pool.returning(len(copying))
+        keep.extend(copying)
+        copying.clear()
     while copying:
         pool.give(finish_copy())
     return staged
+

@@ -120,6 +120,21 @@ def all_to_all(outs: list[torch.Tensor], ins: list[torch.Tensor], stripe: Stripe
     return Staged(ins[0].numel(), ins[0].dtype, _each(ins), _each(outs), post, len(ins), len(outs))
 
 
+def all_to_all_uneven(outs: list[torch.Tensor], ins: list[torch.Tensor], stripe: Stripe, unit: int) -> Staged:
+    """All-to-all of per-peer parts of any lengths (flat; ``ins[p]`` goes to peer p, ``outs[p]`` comes from it).
+
+    ``unit`` is the longest part of any rank (agreed on beforehand): every rank cuts it into the same rounds,
+    and round [a, b) moves each part's elements [a, min(b, len)) in one Gloo all-to-all with those splits, so a
+    part that has ended sends and receives nothing and the byte bound holds whatever the splits."""
+    def cut(ts: list[torch.Tensor]) -> Callable[[int, int], list[torch.Tensor]]:
+        return lambda a, b: [t[min(a, t.numel()):min(b, t.numel())] for t in ts]
+
+    def post(A: list[torch.Tensor], B: list[torch.Tensor], i: int) -> list[Any]:
+        return [stripe(0).alltoall_base(_packed(B), _packed(A), [t.numel() for t in B], [t.numel() for t in A],
+                                        AllToAllOptions())]
+    return Staged(unit, ins[0].dtype, cut(ins), cut(outs), post, len(ins), len(outs))
+
+
 def scatter(out: torch.Tensor, ins: list[torch.Tensor], stripe: Stripe, root: int, world: int) -> Staged:
     def post(A: list[torch.Tensor], B: list[torch.Tensor], i: int) -> list[Any]:
         o = ScatterOptions()
@@ -134,6 +149,12 @@ def gather(outs: list[torch.Tensor], inp: torch.Tensor, stripe: Stripe, root: in
         o.rootRank = root
         return [stripe(0).gather([B] if B else [], [A[0]], o)]
     return Staged(inp.numel(), inp.dtype, _one(inp), _each(outs), post, 1, world)
+
+
+def _packed(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Regions packed one after another (of any lengths, ``rounds._regions``) as one flat tensor."""
+    first = parts[0]
+    return first.as_strided((sum(p.numel() for p in parts),), (1,), first.storage_offset())
 
 
 def _joined(parts: list[torch.Tensor]) -> torch.Tensor:

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from bimetal.comm.base import OpRecord, TransportError, TransportTimeout, make_work
+from bimetal.comm.staging import OpEnd
 
 _STOP = object()
 
@@ -53,6 +54,10 @@ def _nothing() -> None:
     pass
 
 
+def _ignore(value: Any) -> None:
+    pass
+
+
 class Deadline:
     """The op's deadline (start + group timeout) and the translation of Gloo's errors into ours."""
 
@@ -61,6 +66,9 @@ class Deadline:
         self.end = time.monotonic() + timeout.total_seconds()
         self.release: Callable[[], None] = _nothing
         """Completes the op for its caller early (the worker goes on with the rest of it)."""
+        self.complete: Callable[[Any], None] = _ignore
+        """Like ``release`` with the future's value: a staged op whose last host-to-device copies are enqueued
+        (its end event set) completes here, then returns its slabs once the copies ran."""
 
     def wait(self, work: dist.Work) -> None:
         remaining = self.end - time.monotonic()
@@ -103,13 +111,24 @@ class Workers:
                 self._workers[key] = Worker(f"bimetal-cf-{self.name()}-{key}")
             return self._workers[key]
 
-    def submit(self, key: Any, op: OpRecord, body: Callable[[Deadline], Any]) -> dist.Work:
-        """Run ``body(deadline)`` on ``key``'s worker; the ``Work`` completes with its value or its error."""
-        fut: torch.futures.Future = torch.futures.Future()
+    def submit(self, key: Any, op: OpRecord, body: Callable[[Deadline], Any], end: OpEnd | None = None
+               ) -> dist.Work:
+        """Run ``body(deadline)`` on ``key``'s worker; the ``Work`` completes with its value or its error.
 
-        def release() -> None:  # the caller may go on; the worker still finishes the op (failover's confirmation)
+        ``end``: a staged op with device outputs. Its future is then device-aware (torch's CUDA future, as
+        NCCL's): completed on the worker inside the host-to-device stream, it records that stream's position,
+        and its ``wait()`` and ``then()`` callbacks make the caller's current stream wait for it rather than
+        block (``value()`` alone does not: torch's rule for NCCL's futures too). ``Work.wait()`` also orders the
+        caller's current stream on ``end``'s event (``staging.OpEnd``), the call the CPU double records."""
+        fut: torch.futures.Future = torch.futures.Future(devices=[end.device]) \
+            if end is not None and end.device.type != "cpu" else torch.futures.Future()
+
+        def complete(value: Any) -> None:  # the caller may go on; the worker still finishes the op
             if not fut.done():
-                fut.set_result(None)
+                fut.set_result(value)
+
+        def release() -> None:  # (failover's confirmation still to come)
+            complete(None)
 
         def settle(exc: TransportError) -> None:
             if not fut.done():
@@ -127,7 +146,7 @@ class Workers:
                         raise TransportError(f"{op.describe()} not started: an earlier transfer with this peer "
                                              f"failed after completing: {earlier}")
                     d = Deadline(op, self.timeout, self.diagnose)
-                    d.release = release
+                    d.release, d.complete = release, complete
                     value = body(d)
                 finally:  # every Gloo op of this job is posted (and waited for): the fast path may post again
                     with self._lock:
@@ -142,7 +161,7 @@ class Workers:
         with self._lock:
             self._queued[key] = self._queued.get(key, 0) + 1
         self._worker(key).submit(job)
-        return make_work(fut)
+        return make_work(fut, end)
 
     def direct(self, key: Any) -> bool:
         """Whether an op on ``key`` may be posted on the caller's thread: nothing of that key still waits on its

@@ -16,10 +16,12 @@ import json
 import math
 import os
 from collections.abc import Callable, Mapping
+from typing import TypeVar
 
 from bimetal.errors import UserError
 
 Check = Callable[[str, str], None]
+T = TypeVar("T")
 
 
 def _integer(least: int, most: int | None = None) -> Check:
@@ -189,45 +191,36 @@ def read(name: str, env: Mapping[str, str] | None = None) -> str | None:
     return raw
 
 
-def read_int(name: str, default: int) -> int:
-    """``name`` as an integer (``default`` when unset); one sentence naming it when it is not one."""
+def _read_as(name: str, default: T, convert: Callable[[str], T], errors: type[Exception] | tuple[type[Exception], ...],
+             not_one: str) -> T:
+    """``name`` through ``convert`` (``default`` when unset), then the table's check; a value ``convert``
+    refuses is one sentence: ``<name>=<raw> <not_one>``."""
     raw = os.environ.get(name, "")
     if raw == "":
         return default
     try:
-        value = int(raw)
-    except ValueError:
-        raise UserError(f"{name}={raw!r} is not an integer; set it to a whole number") from None
+        value = convert(raw)
+    except errors:
+        raise UserError(f"{name}={raw!r} {not_one}") from None
     read(name)
     return value
+
+
+def read_int(name: str, default: int) -> int:
+    """``name`` as an integer (``default`` when unset); one sentence naming it when it is not one."""
+    return _read_as(name, default, int, ValueError, "is not an integer; set it to a whole number")
 
 
 def read_size(name: str, default: int) -> int:
     """Bytes from ``name``, with the size syntax of ``bimetal bench comm`` (``65536``, ``64K``, ``4M``)."""
-    raw = os.environ.get(name, "")
-    if raw == "":
-        return default
     from bimetal.sizes import parse_size
 
-    try:
-        value = parse_size(raw)
-    except UserError:
-        raise UserError(f"{name}={raw!r} is not a size; write bytes like 65536, 64K or 4M") from None
-    read(name)
-    return value
+    return _read_as(name, default, parse_size, UserError, "is not a size; write bytes like 65536, 64K or 4M")
 
 
 def read_float(name: str, default: float) -> float:
     """``name`` as a number (``default`` when unset); one sentence naming it when it is not one."""
-    raw = os.environ.get(name, "")
-    if raw == "":
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise UserError(f"{name}={raw!r} is not a number; set it to seconds, e.g. 5") from None
-    read(name)
-    return value
+    return _read_as(name, default, float, ValueError, "is not a number; set it to seconds, e.g. 5")
 
 
 def read_flag(name: str) -> bool:

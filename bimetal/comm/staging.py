@@ -26,7 +26,7 @@ from datetime import timedelta
 
 import torch
 
-from bimetal.env import read as read_env
+from bimetal.env import read_flag
 
 ENV_FORCE = "BIMETAL_CF_FORCE_STAGING"
 ALIGN = 64
@@ -40,7 +40,7 @@ def is_device(tensor: torch.Tensor) -> bool:
 
 def force_staging() -> bool:
     """Whether ``BIMETAL_CF_FORCE_STAGING=1`` asks cpu-forward to stage CPU tensors too (read at group creation)."""
-    return (read_env(ENV_FORCE) or "").strip() == "1"  # the table's check refuses anything but 0 or 1
+    return read_flag(ENV_FORCE)  # the table's check refuses anything but 0 or 1
 
 
 class PoolExhausted(RuntimeError):

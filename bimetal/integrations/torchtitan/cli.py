@@ -229,7 +229,7 @@ def rank_main() -> int:
     """``python -m bimetal.integrations.torchtitan``: errors a user can cause end in one sentence, exit 2."""
     try:
         status = main(sys.argv[1:])
-        gc.collect()  # join Gloo's worker threads now, not during interpreter shutdown (see bimetal/train/__main__.py)
+        gc.collect()  # join Gloo's worker threads now, not in interpreter shutdown (see bimetal.entry.run_command)
         return status
     except UserError as exc:
         print(f"bimetal titan: {exc}", file=sys.stderr, flush=True)

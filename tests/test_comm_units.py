@@ -159,3 +159,71 @@ def test_failover_does_not_reach_back_into_the_group() -> None:
         imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
         upward = {m for m in imported if m.rsplit(".", 1)[-1] in ("pg", "p2p", "collectives", "faults")}
         assert not upward, f"cpu_forward/{name}.py imports {sorted(upward)}"
+
+
+class _FakeGlooWork:
+    def __init__(self, fail: str = ""):
+        self.fail = fail
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        if self.fail:
+            raise RuntimeError(self.fail)
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+class _FakeStripe:
+    """Records what cpu-forward posts to its one Gloo stripe; ``fail`` makes the next works fail on wait."""
+
+    def __init__(self) -> None:
+        self.posted: list[tuple[str, int, int]] = []
+        self.fail = ""
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> _FakeGlooWork:
+        self.posted.append(("send", tensors[0].numel(), dst))
+        return _FakeGlooWork(self.fail)
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> _FakeGlooWork:
+        self.posted.append(("recv", tensors[0].numel(), src))
+        return _FakeGlooWork(self.fail)
+
+
+def test_one_message_fast_path_counts_and_words_errors(monkeypatch) -> None:
+    """Issue 19: a small contiguous CPU message on one stripe is one Gloo op posted by the group's send/recv
+    (no worker, no chunking), its op number and bytes are counted, a Gloo failure names group, op and number,
+    and a closed group refuses it; messages the fast path must not take still go the common way."""
+    from bimetal.comm.base import TransportError
+    from bimetal.comm.cpu_forward import p2p
+    from bimetal.comm.cpu_forward.pg import CpuForwardProcessGroup
+
+    monkeypatch.delenv("BIMETAL_CF_CHECKSUM", raising=False)
+    stripe = _FakeStripe()
+    pg = CpuForwardProcessGroup([stripe], 0, 2, timedelta(seconds=30), CpuForwardOptions(stripes=1).resolved())
+    pg.setGroupDesc("unit")
+    calls = {"lean": 0}
+    real = p2p.send_lean
+
+    def counting(*args: object) -> object:
+        calls["lean"] += 1
+        return real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(p2p, "send_lean", counting)
+    assert pg.send([torch.ones(1024)], 1, 0).wait()
+    assert pg.recv([torch.zeros(16, dtype=torch.int64)], 1, 0).wait()
+    assert calls["lean"] == 1 and stripe.posted == [("send", 1024, 1), ("recv", 16, 1)]
+    stats = pg.comm_stats()
+    assert (stats["ops"], stats["bytes_sent"], stats["bytes_received"], stats["bytes_direct"]) == (2, 4096, 128, 4224)
+
+    pg.send([torch.ones(8, 8).t()], 1, 0).wait()  # not contiguous: the common path (a contiguous copy)
+    pg.send([torch.ones(4, dtype=torch.bool)], 1, 0).wait()  # bool goes as uint8 bytes: the common path
+    assert calls["lean"] == 1 and stripe.posted[2:] == [("send", 64, 1), ("send", 4, 1)]
+    assert pg.comm_stats()["ops"] == 4
+
+    stripe.fail = "Connection closed by peer [127.0.0.1]:1234"
+    with pytest.raises(TransportError, match=r"group 'unit' send #5 with peer 1 failed: Connection closed by peer"):
+        pg.send([torch.ones(3)], 1, 0).wait()
+    pg.shutdown()
+    with pytest.raises(TransportError, match="shut down"):
+        pg.send([torch.ones(3)], 1, 0)

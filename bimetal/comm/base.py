@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import threading
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
@@ -78,8 +77,6 @@ class BimetalProcessGroup(dist.ProcessGroup):
         self.timeout = timeout
         self.global_ranks = list(global_ranks) if global_ranks else list(range(size))
         self.counters = CommCounters()
-        self._seq = 0
-        self._seq_lock = threading.Lock()
         self._name = ""
         self._desc = ""
         self._closed = False
@@ -246,14 +243,10 @@ class BimetalProcessGroup(dist.ProcessGroup):
         return self.global_ranks[group_rank]
 
     def _begin(self, op: str, peer: int | None = None) -> OpRecord:
-        """Start an op: check the group is open, take the next sequence number."""
+        """Start an op: check the group is open, take the next sequence number (the count of ops so far)."""
         if self._closed:
             raise TransportError(f"group {self.description!r} {op}: the process group was shut down")
-        with self._seq_lock:
-            self._seq += 1
-            seq = self._seq
-        self.counters.add(ops=1)
-        return OpRecord(self.description, op, seq, None if peer is None else self.global_rank(peer))
+        return OpRecord(self.description, op, self.counters.begin(), None if peer is None else self.global_rank(peer))
 
     def diagnose(self, op: OpRecord, wait_s: float | None = None) -> str:
         """After a timeout: publish where this rank is and say where the others are (desync detection).

@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -47,15 +47,25 @@ class CommCounters:
             for name, value in amounts.items():
                 setattr(self, name, getattr(self, name) + value)
 
+    def begin(self, sent: int = 0, received: int = 0) -> int:
+        """Count one more op; its number is the op's sequence number in its group. ``sent`` / ``received``: bytes
+        it moves without a host copy, counted as it starts (cpu-forward's one-message fast path: one lock per op)."""
+        with self.lock:
+            self.ops += 1
+            if sent or received:
+                self.bytes_sent += sent
+                self.bytes_received += received
+                self.bytes_direct += sent + received
+            return self.ops
+
     def snapshot(self) -> dict[str, int]:
         with self.lock:
             return {k: getattr(self, k) for k in ("ops", "bytes_sent", "bytes_received", "bytes_staged",
                                                   "bytes_direct")}
 
 
-@dataclass(frozen=True)
-class OpRecord:
-    """Which operation, for error messages: ``<group> <op> #<seq> (peer <p>)``."""
+class OpRecord(NamedTuple):
+    """Which operation, for error messages: ``<group> <op> #<seq> (peer <p>)`` (a tuple: made for every op)."""
 
     group: str
     op: str

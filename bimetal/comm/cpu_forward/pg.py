@@ -65,6 +65,8 @@ class CpuForwardProcessGroup(BimetalProcessGroup):
         self.stats = StripeStats(len(self.stripes))
         self.failover = Failover(self.links, lambda: self.description, self.global_ranks, options.chunk_bytes,
                                  options.stall_seconds(timeout), self.stats)
+        self.lean: Any = self.stripes[0] if len(self.stripes) == 1 and not checksum and not self.stage_all else None
+        """The stripe of the one-message fast path (``p2p.send_lean``), None where it does not apply."""
 
     def comm_stats(self) -> dict[str, int]:
         """The base counters, the staging pool's allocations, failovers and bytes per stripe (point-to-point)."""
@@ -110,6 +112,21 @@ class CpuForwardProcessGroup(BimetalProcessGroup):
                                "point-to-point transfers do")
         return self.stripes[i]
 
+    # --- point-to-point: a message that fits one Gloo op skips the common path's generic steps ---------------
+    def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int = 0) -> dist.Work:  # noqa: N803
+        stripe = self.lean
+        if stripe is not None and len(tensors) == 1 and p2p.lean(self, tensors[0]) \
+                and self.workers.direct(("send", dstRank)):
+            return p2p.send_lean(self, stripe, tensors[0], dstRank, tag)
+        return super().send(tensors, dstRank, tag)
+
+    def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int = 0) -> dist.Work:  # noqa: N803
+        stripe = self.lean
+        if stripe is not None and len(tensors) == 1 and p2p.lean(self, tensors[0]) \
+                and self.workers.direct(("recv", srcRank)):
+            return p2p.recv_lean(self, stripe, tensors[0], srcRank, tag)
+        return super().recv(tensors, srcRank, tag)
+
     # --- the data movement of each op (``BimetalProcessGroup`` runs the common path) ------------------------
     _do_send = p2p.send
     _do_recv = p2p.recv
@@ -133,6 +150,7 @@ class CpuForwardProcessGroup(BimetalProcessGroup):
         if self._closed:
             return
         super().shutdown()
+        self.lean = None
         self.workers.stop()
         self.failover.stop()
         self.stripes = []

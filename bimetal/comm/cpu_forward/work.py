@@ -16,13 +16,22 @@ import time
 import warnings
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from bimetal.comm.base import OpRecord, TransportError, TransportTimeout, make_work
 from bimetal.comm.staging import OpEnd
+
+
+class Timed(Protocol):
+    """What ``DirectWork`` needs of its group: the op timeout and the desync report after one."""
+
+    timeout: timedelta
+    timeout_s: float
+
+    def diagnose(self, op: OpRecord, wait_s: float | None = None) -> str: ...
 
 _STOP = object()
 
@@ -165,9 +174,11 @@ class Workers:
 
     def direct(self, key: Any) -> bool:
         """Whether an op on ``key`` may be posted on the caller's thread: nothing of that key still waits on its
-        worker to be posted (Gloo matches a pair's messages in posting order), and no late error is pending."""
-        with self._lock:
-            return not self._queued.get(key) and key not in self._deferred
+        worker to be posted (Gloo matches a pair's messages in posting order), and no late error is pending.
+
+        Read without the lock (each dict read is atomic): only the caller's own ``submit`` raises a count, and a
+        worker lowers it after posting, so a stale read can only send an op the slow (queued) way."""
+        return not self._queued.get(key) and key not in self._deferred
 
     def stop(self) -> None:
         with self._lock:
@@ -177,26 +188,24 @@ class Workers:
 
 
 class DirectWork(dist.Work):
-    """Gloo works posted on the caller's thread; ``wait()`` waits for them with the op's deadline, then runs
-    ``finish`` once (checksum check, copy into a non-contiguous target, counters).
-
-    ``done`` is called once the outcome is known, whatever it is (the group's in-flight bookkeeping).
+    """Gloo works posted on the caller's thread; ``wait()`` waits for them with the op's deadline (the group's
+    timeout from the op's start), then runs ``finish`` once if given (checksum check, copy into a non-contiguous
+    target, counters). ``error``: the op failed while posting; ``wait()`` raises it.
     """
 
-    def __init__(self, works: list[Any], op: OpRecord, end: float, deadline: Callable[[], Deadline],
-                 finish: Callable[[], None] | None = None, done: Callable[[], None] | None = None,
-                 error: TransportError | None = None):
-        """``end``: the op's deadline (``time.monotonic``); ``deadline()`` makes the ``Deadline`` that words an
-        error (made only then: a few microseconds saved per op)."""
+    def __init__(self, pg: Timed, op: OpRecord, works: list[Any],
+                 finish: Callable[[], None] | None = None, error: TransportError | None = None):
         super().__init__()
-        self._works, self._op, self._end, self._deadline, self._finish, self._done = (
-            works, op, end, deadline, finish, done)
+        self._pg, self._op, self._works, self._finish = pg, op, works, finish
+        self._end = time.monotonic() + pg.timeout_s
         self._error: BaseException | None = error
         self._settled = error is not None
         self._lock = threading.Lock()
         self._future: torch.futures.Future | None = None
-        if self._settled and done is not None:
-            done()
+
+    def _deadline(self) -> Deadline:
+        """What words a timeout or a Gloo error (made only then)."""
+        return Deadline(self._op, self._pg.timeout, self._pg.diagnose)
 
     def _settle(self) -> None:
         with self._lock:
@@ -220,8 +229,6 @@ class DirectWork(dist.Work):
             finally:
                 self._settled = True
                 self._works = []
-                if self._done is not None:
-                    self._done()
 
     def wait(self, timeout: timedelta | None = None) -> bool:  # type: ignore[override]
         self._settle()

@@ -22,7 +22,6 @@ from typing import Any
 from bimetal.errors import UserError
 from bimetal.lab.spec import LabSpec, load_spec
 from bimetal.plan import cost
-from bimetal.plan.spec import ClusterSpec, NodeGroup
 from bimetal.plan.stagesplit import Rank, best_split, even_split, predict
 
 
@@ -30,22 +29,6 @@ def lab_ranks(lab: LabSpec) -> list[Rank]:
     """Every rank of the lab in global-rank order (an unset CPU share is a whole core)."""
     return [Rank(n.name, n.vendor, s if s is not None else 1.0, n.nics, n.rate_mbit, n.latency_ms)
             for n in lab.nodes for s in (n.cpu_share or (None,) * n.ranks)]
-
-
-def lab_cluster(lab: LabSpec, profile: dict[str, Any], host_memory_gb: float = 16.0) -> ClusterSpec:
-    """The lab as a planner cluster spec: one group per node, the CPU profile as device, share as efficiency."""
-    groups = []
-    for n in lab.nodes:
-        shares = {s if s is not None else 1.0 for s in n.cpu_share}
-        if len(shares) > 1:
-            raise UserError(f"{lab.source}: node {n.name!r} has different cpu_share per rank; the planner's node "
-                            "groups are identical ranks, so give the node one cpu_share.")
-        groups.append(NodeGroup(
-            name=n.name, count=1, vendor=n.vendor, gpu="cpu", gpus_per_node=n.ranks,
-            peak_flops=float(profile["achieved_flops"]), memory_bytes=int(host_memory_gb * 1e9),
-            efficiency=shares.pop(), nics_per_node=n.nics, nic_gbps=n.rate_mbit / 1000,
-            h2d_gbps=float(profile["copy_gbps"]), intra_gbps=float(profile["copy_gbps"]), gpudirect=False))
-    return ClusterSpec(lab.source, tuple(groups))
 
 
 def measure(lab_path: str, lab_id: str, config: str, overrides: list[str], split: list[int], steps: int,

@@ -178,4 +178,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from bimetal.entry import run_command
+
+    sys.exit(run_command("bench stripes", main, sys.argv[1:]))

@@ -42,9 +42,12 @@ StagedPlan = Callable[[Host, so.Stripe], list[rounds.Staged]]
 
 
 def run(pg: CpuForwardProcessGroup, op: OpRecord, ins: list[torch.Tensor], outs: list[torch.Tensor],
-        call: Callable[[Host], list[Any]], staged: StagedPlan | None = None) -> dist.Work:
-    """Run ``call(host)`` on the collective worker; ``host(t)`` is t's host (contiguous) stand-in. With device
-    tensors (or staging forced), ``staged(flat, stripe)`` instead: the op in rounds through the pool."""
+        call: Callable[[Host], list[Any]], staged: StagedPlan | None = None,
+        unpack: Callable[[Host], None] | None = None) -> dist.Work:
+    """Run ``call(host)`` on the collective worker; ``host(t)`` is t's host (contiguous) stand-in, and
+    ``unpack(host)``, when given, runs once ``call``'s works completed (before the stand-ins are copied to the
+    outputs). With device tensors (or staging forced), ``staged(flat, stripe)`` instead: the op in rounds
+    through the pool."""
     if staged is not None and pg.stages(*ins, *outs):
         end = OpEnd((ins or outs)[0].device)
         return pg.workers.submit("collective", op, _staged_body(pg, ins, outs, staged, end), end)
@@ -65,6 +68,8 @@ def run(pg: CpuForwardProcessGroup, op: OpRecord, ins: list[torch.Tensor], outs:
 
         for w in call(host):
             d.wait(w)
+        if unpack is not None:
+            unpack(host)
         nbytes = 0
         for t in outs:
             h = stand_in.get(id(t))
@@ -229,9 +234,23 @@ def alltoall(pg: CpuForwardProcessGroup, op: OpRecord, outputs: list[torch.Tenso
         outs, ins = [f(t) for t in outputs], [f(t) for t in inputs]
         return [so.all_to_all_uneven(outs, ins, st, _agreed_unit(pg, outs + ins))]
 
-    return run(pg, op, inputs, outputs, lambda h: [pg.stripe(0).alltoall(
-        [h(t) for t in outputs], [h(t) for t in inputs], AllToAllOptions())],
-        (lambda f, st: [so.all_to_all([f(t) for t in outputs], [f(t) for t in inputs], st)]) if equal else uneven)
+    # Gloo's list all-to-all is missing from some torch releases (2.11): one alltoall_base on packed copies
+    outs_n, ins_n = [t.numel() for t in outputs], [t.numel() for t in inputs]
+    packed_out: list[torch.Tensor] = []
+
+    def call(h: Host) -> list[Any]:
+        packed_out.append(torch.empty(sum(outs_n), dtype=outputs[0].dtype))
+        packed_in = torch.cat([h(t).reshape(-1) for t in inputs])
+        return [pg.stripe(0).alltoall_base(packed_out[0], packed_in, outs_n, ins_n, AllToAllOptions())]
+
+    def unpack(h: Host) -> None:
+        for t, part in zip(outputs, packed_out[0].split(outs_n)):
+            h(t).view(-1).copy_(part)
+
+    def equal_plan(f: Host, st: so.Stripe) -> list[rounds.Staged]:
+        return [so.all_to_all([f(t) for t in outputs], [f(t) for t in inputs], st)]
+
+    return run(pg, op, inputs, outputs, call, equal_plan if equal else uneven, unpack)
 
 
 def _split(flat: torch.Tensor, t: torch.Tensor, splits: list[int], size: int) -> list[torch.Tensor]:

@@ -116,7 +116,8 @@ def all_to_all_equal(out: torch.Tensor, inp: torch.Tensor, stripe: Stripe, world
 def all_to_all(outs: list[torch.Tensor], ins: list[torch.Tensor], stripe: Stripe) -> Staged:
     """All-to-all of lists whose tensors all have one length."""
     def post(A: list[torch.Tensor], B: list[torch.Tensor], i: int) -> list[Any]:
-        return [stripe(0).alltoall(B, A, AllToAllOptions())]
+        # the regions are packed back to back: one alltoall_base (Gloo's list all-to-all is not in every torch)
+        return [stripe(0).alltoall_base(_joined(B), _joined(A), [], [], AllToAllOptions())]
     return Staged(ins[0].numel(), ins[0].dtype, _each(ins), _each(outs), post, len(ins), len(outs))
 
 

@@ -135,3 +135,15 @@ def test_a_bad_env_value_is_refused_naming_the_variable(clean_env: pytest.Monkey
     clean_env.setenv("BIMETAL_DD_SLOTS", "eight")
     with pytest.raises(EngineUnavailableError, match=r"^BIMETAL_DD_SLOTS='eight' is not valid; set it to an integer"):
         options_from(None)
+
+
+def test_engine_bounce_is_staging_and_told_apart() -> None:
+    """Device memory that Mooncake's TCP transport copies through the host is staged bytes (the user sees it in
+    bytes_staged), and bytes_engine_bounced says how much of the staging was the engine's, not bimetal's."""
+    from bimetal.comm.device_direct.ops import Counters
+
+    c = Counters()
+    c.staged_bytes += 7  # e.g. a CPU receive pool feeding a GPU tensor: bimetal's own staging
+    c.engine_bounce(1 << 20)
+    stats = c.stats()
+    assert stats["bytes_staged"] == 7 + (1 << 20) and stats["bytes_engine_bounced"] == 1 << 20, stats

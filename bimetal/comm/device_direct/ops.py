@@ -82,7 +82,8 @@ class Op:
 class Counters:
     """What the proxy moved, and how (``comm_stats`` of the group)."""
 
-    staged_bytes: int = 0  # bytes bounced through host memory: none by construction, counted to prove it
+    staged_bytes: int = 0  # bytes bounced through host memory (all of it, the engine's bounces included)
+    engine_bounce_bytes: int = 0  # of those, what Mooncake's TCP transport bounced inside the engine (no GPU path)
     direct_bytes: int = 0  # bytes the engine wrote from our memory into a peer's without a host bounce
     landing_copy_bytes: int = 0  # eager bytes copied slot -> user tensor on the same device
     inline_sent_bytes: int = 0  # host-tensor bytes that rode inside our notes (not staged: no bounce)
@@ -90,8 +91,15 @@ class Counters:
     received_bytes: int = 0
     notes_sent: int = 0  # control messages, for profiling
 
+    def engine_bounce(self, n: int) -> None:
+        """``n`` bytes of device memory that the engine's TCP transport copied through host memory: staging,
+        counted as such, and also on their own so that bimetal's own staging (the rest) can be told apart."""
+        self.staged_bytes += n
+        self.engine_bounce_bytes += n
+
     def stats(self) -> dict[str, int]:
         """The counters under their ``comm_stats`` names."""
-        return {"bytes_staged": self.staged_bytes, "bytes_direct": self.direct_bytes,
+        return {"bytes_staged": self.staged_bytes, "bytes_engine_bounced": self.engine_bounce_bytes,
+                "bytes_direct": self.direct_bytes,
                 "landing_copy_bytes": self.landing_copy_bytes, "bytes_inline_sent": self.inline_sent_bytes,
                 "bytes_inline_received": self.inline_received_bytes, "control_notes_sent": self.notes_sent}

@@ -80,7 +80,7 @@ class Transfers:
             if recv is not None:
                 self.engine.unregister(recv.flat.data_ptr())
                 if self.engine.protocol == "tcp" and recv.flat.device.type != "cpu":
-                    self.counters.staged_bytes += recv.flat.numel()  # bounced through the host inside the engine
+                    self.counters.engine_bounce(recv.flat.numel())  # bounced through the host inside the engine
                 self.counters.received_bytes += recv.flat.numel()
                 recv.fut.set_result(None)
         elif note.kind != "credit":  # inline, eager or rts: wait for the matching recv
@@ -201,7 +201,7 @@ class Transfers:
     def _count(self, t: torch.Tensor, n: int) -> None:
         # Mooncake's TCP transport bounces GPU memory through host buffers inside the engine: that is staging
         if self.engine.protocol == "tcp" and t.device.type != "cpu":
-            self.counters.staged_bytes += n
+            self.counters.engine_bounce(n)
         else:
             self.counters.direct_bytes += n
 
@@ -250,7 +250,7 @@ class Transfers:
                 if src.device.type == "cpu" and op.flat.device.type != "cpu":
                     self.counters.staged_bytes += nbytes  # a CPU pool feeding a GPU tensor is host staging: say so
                 elif self.engine.protocol == "tcp" and src.device.type != "cpu":
-                    self.counters.staged_bytes += nbytes  # the engine's TCP receive path bounced it through the host
+                    self.counters.engine_bounce(nbytes)  # the engine's TCP receive path bounced it through the host
             self.credits.owe(op.peer, note.slot)  # returned with the next note to the peer, or on its own shortly
         del self.recvs[op.key]
         self.counters.received_bytes += nbytes

@@ -28,8 +28,24 @@ def test_gpu_check_runs_end_to_end_in_cpu_mode(tmp_path: Path) -> None:
         assert rows[f"cf {op} == gloo"]["pass"] is True, rows[f"cf {op} == gloo"]
     assert rows["cf staged through the pool"]["pass"] is True
     assert rows["pool allocations after warm-up"]["pass"] is True
-    assert rows["device-direct tcp, nothing staged"]["pass"] is True
+    assert rows["device-direct tcp on device memory"]["pass"] is True
     train = next(r for name, r in rows.items() if name.startswith("demo trainer"))
     assert train["pass"] is True and "loss" in train["value"]
     assert any(name.startswith("bandwidth") for name in rows) and any(name.startswith("overlap") for name in rows)
     assert report["mode"] == "cpu" and "cf p2p == gloo" in proc.stdout  # the table is printed too
+
+
+def test_gpu_check_reports_a_step_that_outlives_its_timeout(tmp_path: Path) -> None:
+    """A hung step is killed with its ranks and becomes a failing row (the table still prints, exit 1); a bad
+    --timeout is refused with exit 2."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.run([str(ROOT / "scripts" / "gpu_check.sh"), "--cpu", "--out", str(tmp_path), "--timeout", "1"],
+                          env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    rows = json.loads((tmp_path / "gpu_check.json").read_text())["rows"]
+    assert [r["pass"] for r in rows] == [False, False], rows
+    assert all("timed out after 1 s" in r["value"] for r in rows), rows
+    assert (tmp_path / "transport.log").exists() and (tmp_path / "train.log").exists()
+    bad = subprocess.run([str(ROOT / "scripts" / "gpu_check.sh"), "--cpu", "--timeout", "0"], env=env,
+                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert bad.returncode == 2 and "--timeout must be positive" in bad.stderr, bad.stderr

@@ -55,6 +55,9 @@ def local_record(rank: int, local_rank: int | None = None) -> RankRecord:
     device, memory = "cpu", 0
     if is_simulated():
         device = f"cpu (simulated {vendor})"
+        if env.read("BIMETAL_SIMULATE_DEVICE") == "cuda" and torch.cuda.is_available():  # the one GPU, shared
+            props = torch.cuda.get_device_properties(0)
+            device, memory = f"{props.name} (shared, simulated {vendor})", int(props.total_memory)
     elif vendor in ("nvidia", "amd"):
         index = local_rank % max(torch.cuda.device_count(), 1)
         props = torch.cuda.get_device_properties(index)

@@ -18,7 +18,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from bimetal.env import read_float, read_int, read_size
+from bimetal.env import read_flag, read_float, read_int, read_size
 from bimetal.errors import UserError
 
 ENV_STRIPES = "BIMETAL_CF_STRIPES"
@@ -66,7 +66,7 @@ class CpuForwardOptions:
         if ifaces and len(ifaces) < stripes:
             ifaces = [ifaces[i % len(ifaces)] for i in range(stripes)]
         local = self.local_rank if self.local_rank is not None else int(env.get("LOCAL_RANK", "0"))
-        checksum = self.checksum if self.checksum is not None else env.get(ENV_CHECKSUM, "") not in ("", "0")
+        checksum = self.checksum if self.checksum is not None else read_flag(ENV_CHECKSUM)  # 0 or 1, else refused
         return CpuForwardOptions(stripes, ifaces[:stripes], chunk, pool, local, stall, checksum)
 
     def stall_seconds(self, timeout: timedelta) -> float:

@@ -227,3 +227,58 @@ def test_one_message_fast_path_counts_and_words_errors(monkeypatch) -> None:
     pg.shutdown()
     with pytest.raises(TransportError, match="shut down"):
         pg.send([torch.ones(3)], 1, 0)
+
+
+def test_fast_path_work_waits_for_gloo_once_and_words_a_timeout() -> None:
+    """The fast path's work (``LeanWork``) waits for its Gloo work exactly once, whoever waits (the caller and
+    ``get_future``'s thread at the same time: a second Gloo wait would block on a completion already taken),
+    and a Gloo timeout or failure comes out in the op's words."""
+    import threading
+
+    from bimetal.comm.base import OpRecord, TransportError, TransportTimeout
+    from bimetal.comm.cpu_forward.work import LeanWork
+
+    class Pg:
+        timeout = timedelta(seconds=30)
+        timeout_s = 30.0
+
+        def diagnose(self, op: OpRecord) -> str:
+            return "peer 1 is in send #4"
+
+    class Blocking:
+        def __init__(self) -> None:
+            self.go, self.waits = threading.Event(), 0
+
+        def wait(self, timeout: timedelta | None = None) -> bool:
+            self.waits += 1
+            assert self.go.wait(10)
+            return True
+
+        def is_completed(self) -> bool:
+            return self.go.is_set()
+
+    gloo = Blocking()
+    work = LeanWork(Pg(), OpRecord("group 'unit'", "recv", 3, 1), gloo)
+    fut = work.get_future()
+    waiter = threading.Thread(target=work.wait)
+    waiter.start()
+    assert not work.is_completed() and not fut.done()
+    gloo.go.set()
+    waiter.join(10)
+    assert work.wait() and fut.wait() is None and work.is_success() and gloo.waits == 1
+
+    class Failing:
+        def __init__(self, text: str) -> None:
+            self.text = text
+
+        def wait(self, timeout: timedelta | None = None) -> bool:
+            raise RuntimeError(self.text)
+
+    late = LeanWork(Pg(), OpRecord("group 'unit'", "recv", 5, 1),
+                    Failing("[gloo/transport/unbound_buffer.cc:81] Timed out waiting 30000ms for recv operation"))
+    with pytest.raises(TransportTimeout, match=r"recv #5 with peer 1 did not complete within 30 s .*send #4"):
+        late.wait()
+    assert isinstance(late.exception(), TransportTimeout) and not late.is_success()
+    closed = LeanWork(Pg(), OpRecord("group 'unit'", "send", 6, 1), Failing("Connection closed by peer"))
+    with pytest.raises(TransportError, match=r"send #6 with peer 1 failed: Connection closed by peer"):
+        closed.wait()

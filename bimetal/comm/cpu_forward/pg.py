@@ -9,7 +9,7 @@ common path and calls the ``_do_<op>`` methods, which are the functions of these
 * ``collectives``: every collective as Gloo ops on the stripes, staged in rounds for device tensors
   (``rounds``, ``staged_ops``);
 * ``work``: the worker threads (one per direction and peer, one for collectives), the op deadline and the
-  fast path's ``DirectWork``.
+  fast paths' ``DirectWork`` and ``LeanWork``.
 
 Device tensors are staged through pinned buffers from a pool bounded in bytes (``bimetal.comm.staging``);
 CPU tensors go to Gloo as they are (unless ``BIMETAL_CF_FORCE_STAGING=1``). Fault injection for tests wraps

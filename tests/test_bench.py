@@ -21,6 +21,9 @@ def test_bench_comm_runs_its_ranks_and_writes_the_report(tmp_path: Path) -> None
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "bench_comm.json").read_text())
     assert "gloo" in proc.stdout and "cpu-forward x1" in proc.stdout and report, proc.stdout
+    # --iters 2 is raised for a 4 KiB message, and the output says so (not a silent change of what was written)
+    assert "200 samples (not --iters 2) for sizes up to 64 KiB" in proc.stdout, proc.stdout
+    assert all(len(r["samples_s"]) == 200 for r in report["rows"]), [len(r["samples_s"]) for r in report["rows"]]
 
 
 @pytest.mark.parametrize(("module", "fragment"), [

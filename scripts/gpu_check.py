@@ -4,8 +4,8 @@
 the GPU, one simulated as each vendor (``bimetal launch --simulate nvidia:1,amd:1``), runs ``gpu_check_rank.py`` (every
 collective and point-to-point on device tensors against Gloo, bandwidth, overlap, pool allocations,
 device-direct over Mooncake TCP), then the demo trainer for 50 steps in bf16 on the GPU, prints one table and
-writes it as ``DIR/gpu_check.json`` (each step's output in
-``DIR/transport.log`` and ``DIR/train.log``). Exit status 0 when every judged row passes, 1 otherwise.
+writes it as ``DIR/gpu_check.json``, each step's output beside it (``transport.log``, ``train.log``). Exit status
+0 when every judged row passes, 1 otherwise.
 
 ``--cpu``: the same code with CPU tensors and ``BIMETAL_CF_FORCE_STAGING=1`` (the staged paths, with the CPU
 copy double), small sizes and a short training run, so that CI runs it end to end without a GPU.

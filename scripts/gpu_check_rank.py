@@ -23,8 +23,6 @@ import bimetal  # noqa: F401  (registers the back-ends)
 from bimetal.comm.cpu_forward import CpuForwardOptions
 
 MiB = 1 << 20
-REFERENCE: list[Any] = [None]
-"""The plain Gloo group the cpu-forward results are compared with (set in ``main``)."""
 
 
 def sync(dev: torch.device) -> None:
@@ -39,8 +37,9 @@ def data(n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     return torch.randint(-1000, 1000, (n,), generator=g, dtype=dtype)
 
 
-def op_cases(rank: int, world: int) -> dict[str, Callable[[Any, Callable, torch.dtype], list[torch.Tensor]]]:
-    """name -> fn(group, put, dtype) returning result tensors; ``put`` moves a tensor where the group wants it."""
+def op_cases(rank: int, world: int, ref: Any) -> dict[str, Callable[[Any, Callable, torch.dtype], list[torch.Tensor]]]:
+    """name -> fn(group, put, dtype) returning result tensors; ``put`` moves a tensor where the group wants it;
+    ``ref``: the plain Gloo group the cpu-forward results are compared with."""
     n = 40_001  # odd; 160 KB of float32: several rounds with 64 KiB chunks
 
     def p2p(g: Any, put: Callable, dt: torch.dtype) -> list[torch.Tensor]:
@@ -90,7 +89,7 @@ def op_cases(rank: int, world: int) -> dict[str, Callable[[Any, Callable, torch.
         out = put(torch.empty(world * n, dtype=dt))
         dist.all_to_all_single(out, x, group=g)
         outs = [put(torch.empty(n, dtype=dt)) for _ in range(world)]
-        if g is REFERENCE[0]:  # plain Gloo lacks the list all-to-all in some torch releases (2.11): the same
+        if g is ref:  # plain Gloo lacks the list all-to-all in some torch releases (2.11): the same
             flat = torch.empty(world * n, dtype=dt)  # exchange through all_to_all_single is its reference
             dist.all_to_all_single(flat, x, group=g)
             outs = list(flat.chunk(world))
@@ -144,13 +143,13 @@ def main() -> None:
         torch.cuda.set_device(dev)
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     rank, world = dist.get_rank(), dist.get_world_size()
-    ref = REFERENCE[0] = dist.new_group(backend="gloo")
+    ref = dist.new_group(backend="gloo")
     small = dist.new_group(backend="bimetal_cpu_forward", pg_options=CpuForwardOptions(stripes=1, chunk_bytes=64 << 10))
     cf = dist.new_group(backend="bimetal_cpu_forward", pg_options=CpuForwardOptions(stripes=1))
     rows: list[dict] = []
 
     # 1. every op on device tensors, bit-identical to Gloo on the same data (host copies)
-    for name, fn in op_cases(rank, world).items():
+    for name, fn in op_cases(rank, world, ref).items():
         bad = []
         try:
             for dt in (torch.float32, torch.bfloat16, torch.int64):

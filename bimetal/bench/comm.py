@@ -152,8 +152,7 @@ def _run(args: argparse.Namespace, sizes: list[int], stripes: list[int], transpo
     groups = _groups(args, stripes, transports, sizes)
     samples: dict[str, dict[int, list[float]]] = {name: {s: [] for s in sizes} for name in groups}
     ack = torch.zeros(1)
-    small = [s for s in sizes if s <= _SMALL]
-    if rank == 0 and small and args.iters < _SMALL_ITERS:  # said, not silent: the user wrote --iters
+    if rank == 0 and args.iters < _SMALL_ITERS and any(s <= _SMALL for s in sizes):  # said: the user wrote --iters
         print(f"bench comm: {_SMALL_ITERS} samples (not --iters {args.iters}) for sizes up to 64 KiB: their medians "
               "are noisy with fewer", flush=True)
     for size in sizes:

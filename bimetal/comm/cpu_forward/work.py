@@ -231,7 +231,8 @@ class DirectWork(dist.Work):
                 self._works = []
 
     def wait(self, timeout: timedelta | None = None) -> bool:  # type: ignore[override]
-        self._settle()
+        if not self._settled:  # (settled: no lock to take)
+            self._settle()
         if self._error is not None:
             raise self._error
         return True
@@ -279,14 +280,13 @@ class LeanWork(DirectWork):
     Only what the common case needs runs per op: ``wait()`` is Gloo's own wait (the stripe's Gloo context has
     the group's timeout, counted here from the wait rather than from the op's start), under the work's lock so
     that a second waiter (``get_future``'s thread) cannot take the first one's completion; the words of a
-    failure or a timeout (group, op, number, peer, where the peers are) are made only when it fails. The other
-    queries (``is_completed``, ``exception``, ``get_future``) are ``DirectWork``'s, through ``_settle``.
+    failure or a timeout (group, op, number, peer, where the peers are) are made only when it fails. ``wait`` and
+    the other queries (``is_completed``, ``exception``, ``get_future``) are ``DirectWork``'s, through ``_settle``.
     """
 
-    def __init__(self, pg: Timed, op: OpRecord, work: Any):  # noqa: D107  (DirectWork's fields, fewer steps)
+    def __init__(self, pg: Timed, op: OpRecord, work: Any):  # DirectWork's fields but its deadline (Gloo's timeout)
         dist.Work.__init__(self)
         self._pg, self._op, self._works, self._finish = pg, op, [work], None
-        self._end = 0.0  # (no deadline of its own: Gloo's timeout)
         self._error = None
         self._settled = False
         self._lock = threading.Lock()
@@ -303,10 +303,3 @@ class LeanWork(DirectWork):
             finally:
                 self._settled = True
                 self._works = []
-
-    def wait(self, timeout: timedelta | None = None) -> bool:  # type: ignore[override]
-        if not self._settled:
-            self._settle()
-        if self._error is not None:
-            raise self._error
-        return True

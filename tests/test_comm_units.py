@@ -195,34 +195,28 @@ def test_one_message_fast_path_counts_and_words_errors(monkeypatch) -> None:
     (no worker, no chunking), its op number and bytes are counted, a Gloo failure names group, op and number,
     and a closed group refuses it; messages the fast path must not take still go the common way."""
     from bimetal.comm.base import TransportError
-    from bimetal.comm.cpu_forward import p2p
     from bimetal.comm.cpu_forward.pg import CpuForwardProcessGroup
+    from bimetal.comm.cpu_forward.work import LeanWork
 
     monkeypatch.delenv("BIMETAL_CF_CHECKSUM", raising=False)
     stripe = _FakeStripe()
     pg = CpuForwardProcessGroup([stripe], 0, 2, timedelta(seconds=30), CpuForwardOptions(stripes=1).resolved())
     pg.setGroupDesc("unit")
-    calls = {"lean": 0}
-    real = p2p.send_lean
-
-    def counting(*args: object) -> object:
-        calls["lean"] += 1
-        return real(*args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(p2p, "send_lean", counting)
-    assert pg.send([torch.ones(1024)], 1, 0).wait()
-    assert pg.recv([torch.zeros(16, dtype=torch.int64)], 1, 0).wait()
-    assert calls["lean"] == 1 and stripe.posted == [("send", 1024, 1), ("recv", 16, 1)]
+    sent, received = pg.send([torch.ones(1024)], 1, 0), pg.recv([torch.zeros(16, dtype=torch.int64)], 1, 0)
+    assert type(sent) is LeanWork and type(received) is LeanWork and sent.wait() and received.wait()
+    assert stripe.posted == [("send", 1024, 1), ("recv", 16, 1)]
     stats = pg.comm_stats()
     assert (stats["ops"], stats["bytes_sent"], stats["bytes_received"], stats["bytes_direct"]) == (2, 4096, 128, 4224)
 
-    pg.send([torch.ones(8, 8).t()], 1, 0).wait()  # not contiguous: the common path (a contiguous copy)
-    pg.send([torch.ones(4, dtype=torch.bool)], 1, 0).wait()  # bool goes as uint8 bytes: the common path
-    assert calls["lean"] == 1 and stripe.posted[2:] == [("send", 64, 1), ("send", 4, 1)]
-    assert pg.comm_stats()["ops"] == 4
+    common = [pg.send([torch.ones(8, 8).t()], 1, 0),  # not contiguous: the common path (a contiguous copy)
+              pg.send([torch.ones(4, dtype=torch.bool)], 1, 0),  # bool goes as uint8 bytes: the common path
+              pg.send([torch.ones(2 * pg.options.chunk_bytes // 4)], 1, 0)]  # over one chunk: chunked
+    assert all(type(w) is not LeanWork and w.wait() for w in common)
+    assert stripe.posted[2:] == [("send", 64, 1), ("send", 4, 1)] + [("send", pg.options.chunk_bytes // 4, 1)] * 2
+    assert pg.comm_stats()["ops"] == 5
 
     stripe.fail = "Connection closed by peer [127.0.0.1]:1234"
-    with pytest.raises(TransportError, match=r"group 'unit' send #5 with peer 1 failed: Connection closed by peer"):
+    with pytest.raises(TransportError, match=r"group 'unit' send #6 with peer 1 failed: Connection closed by peer"):
         pg.send([torch.ones(3)], 1, 0).wait()
     pg.shutdown()
     with pytest.raises(TransportError, match="shut down"):
@@ -241,9 +235,11 @@ def test_fast_path_work_waits_for_gloo_once_and_words_a_timeout() -> None:
     class Pg:
         timeout = timedelta(seconds=30)
         timeout_s = 30.0
+        description = "unit"
+        global_ranks = [0, 3]  # the words name the peer's global rank
 
         def diagnose(self, op: OpRecord) -> str:
-            return "peer 1 is in send #4"
+            return "peer 3 is in send #4"
 
     class Blocking:
         def __init__(self) -> None:
@@ -258,7 +254,7 @@ def test_fast_path_work_waits_for_gloo_once_and_words_a_timeout() -> None:
             return self.go.is_set()
 
     gloo = Blocking()
-    work = LeanWork(Pg(), OpRecord("group 'unit'", "recv", 3, 1), gloo)
+    work = LeanWork(Pg(), ("recv", 3, 1), gloo)
     fut = work.get_future()
     waiter = threading.Thread(target=work.wait)
     waiter.start()
@@ -274,11 +270,11 @@ def test_fast_path_work_waits_for_gloo_once_and_words_a_timeout() -> None:
         def wait(self, timeout: timedelta | None = None) -> bool:
             raise RuntimeError(self.text)
 
-    late = LeanWork(Pg(), OpRecord("group 'unit'", "recv", 5, 1),
+    late = LeanWork(Pg(), ("recv", 5, 1),
                     Failing("[gloo/transport/unbound_buffer.cc:81] Timed out waiting 30000ms for recv operation"))
-    with pytest.raises(TransportTimeout, match=r"recv #5 with peer 1 did not complete within 30 s .*send #4"):
+    with pytest.raises(TransportTimeout, match=r"'unit' recv #5 with peer 3 did not complete within 30 s .*send #4"):
         late.wait()
     assert isinstance(late.exception(), TransportTimeout) and not late.is_success()
-    closed = LeanWork(Pg(), OpRecord("group 'unit'", "send", 6, 1), Failing("Connection closed by peer"))
-    with pytest.raises(TransportError, match=r"send #6 with peer 1 failed: Connection closed by peer"):
+    closed = LeanWork(Pg(), ("send", 6, 1), Failing("Connection closed by peer"))
+    with pytest.raises(TransportError, match=r"group 'unit' send #6 with peer 3 failed: Connection closed by peer"):
         closed.wait()

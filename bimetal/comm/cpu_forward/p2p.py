@@ -3,9 +3,9 @@
 * one stripe, a CPU tensor, nothing of that direction and peer queued: the fast path, posted to Gloo on the
   caller's thread and waited for there (``work.DirectWork``); queued behind earlier ops, the same on the worker.
   A contiguous message of at most one chunk without checksums is one Gloo op, and the group's ``send`` /
-  ``recv`` take it before the common path (``send_lean`` / ``recv_lean``: the op's number and bytes under one
-  lock, no closure, and a ``work.LeanWork`` that is Gloo's own wait until it fails): about 3 us of Python per
-  op where the common path took 7;
+  ``recv`` take it before the common path (``Lean``: the op's number and bytes under one lock, no closure, and
+  a ``work.LeanWork`` that is Gloo's own wait until it fails): about 3 us of Python per op, waited for,
+  where the common path took 7;
 * one stripe, a device tensor (or staging forced): the staged chunk pipeline (``pipeline``) on the worker;
 * K > 1 stripes: a failover transfer (``failover.Transfer``) over the chunk sources and sinks of ``chunks``,
   host tensors sent from or received into in place, device tensors staged chunk by chunk.
@@ -147,32 +147,43 @@ def _recv_failover(pg: CpuForwardProcessGroup, tensor: torch.Tensor, src: int, t
 LEAN_DTYPES = frozenset(d for d in SUPPORTED_DTYPES if d is not torch.bool)
 
 
-def lean(pg: CpuForwardProcessGroup, t: torch.Tensor) -> bool:
-    """Whether ``t`` may take the one-message fast path (``pg.lean`` set: one stripe, no checksum, no forced
-    staging): a contiguous CPU tensor of a dtype Gloo sends as is, no larger than one chunk."""
-    return (t.is_cpu and t.dtype in LEAN_DTYPES and t.is_contiguous()
-            and t.numel() * t.element_size() <= pg.options.chunk_bytes)
+class Lean:
+    """The one-message fast path of a group with one stripe, no checksum and no forced staging (``pg.lean``; None
+    elsewhere and once the group is shut down): a contiguous CPU tensor of a dtype Gloo sends as is, no larger
+    than one chunk, with nothing of that direction and peer queued on a worker, is one Gloo op posted on the
+    caller's thread. No closure, no copy, one lock (the op's number and its bytes, counted as it starts), and a
+    ``LeanWork`` whose words are made only if it fails: what a small message costs on top of Gloo's own.
 
+    Its fields are what an op reads, as plain attributes: each attribute of the group (a torch ``ProcessGroup``
+    subclass, through pybind) costs about twice a plain object's, and a 64 KiB message has ~20 us to spare."""
 
-def send_lean(pg: CpuForwardProcessGroup, stripe: Any, t: torch.Tensor, dst: int, tag: int) -> dist.Work:
-    """One Gloo send posted on the caller's thread: no closure, no copy, one lock (the op's number and its bytes,
-    counted as it starts): what a small message costs on top of Gloo's own. The caller checked ``pg.lean`` (None
-    once the group is shut down), ``lean`` and ``pg.workers.direct``."""
-    op = OpRecord(pg.description, "send", pg.counters.begin(sent=t.numel() * t.element_size()), pg.global_ranks[dst])
-    try:
-        return LeanWork(pg, op, stripe.send([t], dst, tag))
-    except RuntimeError as exc:  # Gloo refuses to post (a closed pair): the caller's wait() reports it
-        return DirectWork(pg, op, [], error=_post_error(op, exc))
+    __slots__ = ("stripe", "limit", "workers", "counters")
 
+    def __init__(self, stripe: Any, limit: int, workers: Any, counters: Any):
+        self.stripe, self.limit, self.workers, self.counters = stripe, limit, workers, counters
 
-def recv_lean(pg: CpuForwardProcessGroup, stripe: Any, t: torch.Tensor, src: int, tag: int) -> dist.Work:
-    """The receiving side of ``send_lean``: straight into the caller's tensor."""
-    op = OpRecord(pg.description, "recv", pg.counters.begin(received=t.numel() * t.element_size()),
-                  pg.global_ranks[src])
-    try:
-        return LeanWork(pg, op, stripe.recv([t], src, tag))
-    except RuntimeError as exc:
-        return DirectWork(pg, op, [], error=_post_error(op, exc))
+    def send(self, pg: CpuForwardProcessGroup, t: torch.Tensor, dst: int, tag: int) -> dist.Work | None:
+        """``t`` sent as one Gloo op, or None where the fast path does not apply (the caller takes the common path)."""
+        return self._post(pg, t, dst, tag, "send")
+
+    def recv(self, pg: CpuForwardProcessGroup, t: torch.Tensor, src: int, tag: int) -> dist.Work | None:
+        """The receiving side of ``send``: straight into the caller's tensor."""
+        return self._post(pg, t, src, tag, "recv")
+
+    def _post(self, pg: CpuForwardProcessGroup, t: torch.Tensor, peer: int, tag: int, kind: str) -> dist.Work | None:
+        if not (t.is_cpu and t.dtype in LEAN_DTYPES and t.is_contiguous()):
+            return None
+        nbytes = t.nbytes
+        if nbytes > self.limit or not self.workers.direct((kind, peer)):
+            return None
+        sending = kind == "send"
+        seq = self.counters.begin(sent=nbytes) if sending else self.counters.begin(received=nbytes)
+        try:
+            posted = self.stripe.send([t], peer, tag) if sending else self.stripe.recv([t], peer, tag)
+        except RuntimeError as exc:  # Gloo refuses to post (a closed pair): the caller's wait() reports it
+            op = OpRecord(pg.description, kind, seq, pg.global_ranks[peer])
+            return DirectWork(pg, op, [], error=_post_error(op, exc))
+        return LeanWork(pg, (kind, seq, peer), posted)
 
 
 def _post_error(op: OpRecord, exc: RuntimeError) -> TransportError:

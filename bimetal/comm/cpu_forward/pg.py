@@ -65,8 +65,9 @@ class CpuForwardProcessGroup(BimetalProcessGroup):
         self.stats = StripeStats(len(self.stripes))
         self.failover = Failover(self.links, lambda: self.description, self.global_ranks, options.chunk_bytes,
                                  options.stall_seconds(timeout), self.stats)
-        self.lean: Any = self.stripes[0] if len(self.stripes) == 1 and not checksum and not self.stage_all else None
-        """The stripe of the one-message fast path (``p2p.send_lean``), None where it does not apply."""
+        self.lean = p2p.Lean(self.stripes[0], options.chunk_bytes, self.workers, self.counters) \
+            if len(self.stripes) == 1 and not checksum and not self.stage_all else None
+        """The one-message fast path (``p2p.Lean``), None where it does not apply."""
 
     def comm_stats(self) -> dict[str, int]:
         """The base counters, the staging pool's allocations, failovers and bytes per stripe (point-to-point)."""
@@ -114,17 +115,19 @@ class CpuForwardProcessGroup(BimetalProcessGroup):
 
     # --- point-to-point: a message that fits one Gloo op skips the common path's generic steps ---------------
     def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int = 0) -> dist.Work:  # noqa: N803
-        stripe = self.lean
-        if stripe is not None and len(tensors) == 1 and p2p.lean(self, tensors[0]) \
-                and self.workers.direct(("send", dstRank)):
-            return p2p.send_lean(self, stripe, tensors[0], dstRank, tag)
+        lean = self.lean
+        if lean is not None and len(tensors) == 1:
+            work = lean.send(self, tensors[0], dstRank, tag)
+            if work is not None:
+                return work
         return super().send(tensors, dstRank, tag)
 
     def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int = 0) -> dist.Work:  # noqa: N803
-        stripe = self.lean
-        if stripe is not None and len(tensors) == 1 and p2p.lean(self, tensors[0]) \
-                and self.workers.direct(("recv", srcRank)):
-            return p2p.recv_lean(self, stripe, tensors[0], srcRank, tag)
+        lean = self.lean
+        if lean is not None and len(tensors) == 1:
+            work = lean.recv(self, tensors[0], srcRank, tag)
+            if work is not None:
+                return work
         return super().recv(tensors, srcRank, tag)
 
     # --- the data movement of each op (``BimetalProcessGroup`` runs the common path) ------------------------

@@ -176,13 +176,16 @@ class Lean:
         nbytes = t.nbytes
         if nbytes > self.limit or not self.workers.direct((kind, peer)):
             return None
+        # Posted first, counted after: the count overlaps the transfer instead of delaying it (a reply's post is
+        # on the round trip's critical path).
         sending = kind == "send"
-        seq = self.counters.begin(sent=nbytes) if sending else self.counters.begin(received=nbytes)
         try:
             posted = self.stripe.send([t], peer, tag) if sending else self.stripe.recv([t], peer, tag)
         except RuntimeError as exc:  # Gloo refuses to post (a closed pair): the caller's wait() reports it
+            seq = self.counters.begin(sent=nbytes) if sending else self.counters.begin(received=nbytes)
             op = OpRecord(pg.description, kind, seq, pg.global_ranks[peer])
             return DirectWork(pg, op, [], error=_post_error(op, exc))
+        seq = self.counters.begin(sent=nbytes) if sending else self.counters.begin(received=nbytes)
         return LeanWork(pg, (kind, seq, peer), posted)
 
 

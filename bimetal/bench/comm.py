@@ -1,6 +1,6 @@
 """``bimetal bench comm``: bandwidth and latency against message size for raw Gloo, cpu-forward with 1..K
-stripes and (with ``--transports``) device-direct and the bare device-direct engine (``dd-engine``), measured
-side by side in one run.
+stripes and (with ``--transports``) device-direct, the bare device-direct engine (``dd-engine``) and the fastest
+a process group written in Python can be (``py-ceiling``), measured side by side in one run.
 
 Two ranks: rank 0 sends, rank 1 receives and answers with a 1-element acknowledgement, so a delivery is
 complete when it returns; a sample is the mean of about 4 MiB's worth of deliveries (1 to 32). Variants are
@@ -9,7 +9,8 @@ reported, and the ratios the performance targets name are printed, each as the m
 (paired) ratios with their interquartile range: cpu-forward on one stripe against raw Gloo on the same link
 (bandwidth from 64 KiB up, latency below), K stripes against K times one, and device-direct against
 cpu-forward on one stripe (bandwidth at 64 MiB, latency at 4 KiB; device-direct listens on the first
-``--ifaces`` link too, so all variants share one link). Sizes take K/M/G suffixes everywhere (``--sizes
+``--ifaces`` link too, so all variants share one link), and ``py-ceiling`` against Gloo and against cpu-forward
+(see ``PythonCeiling``). Sizes take K/M/G suffixes everywhere (``--sizes
 4K,1M``, ``--chunk-bytes 1M``). Outside a launched job it starts two simulated ranks on this machine; under
 torchrun (the lab, real nodes) it uses the job's ranks.
 Writes ``bench_comm.json`` and ``bench_comm.png`` (matplotlib, if installed) to ``--out``.
@@ -41,7 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stripes", default="1,2", help="cpu-forward stripe counts to compare, e.g. 1,2,4")
     p.add_argument("--ifaces", default="lo", help="interfaces, one per stripe, reused round robin (default lo)")
     p.add_argument("--transports", default="gloo,cpu-forward",
-                   help="gloo, cpu-forward, device-direct, dd-engine (the engine alone: the ceiling of device-direct)")
+                   help="gloo, cpu-forward, device-direct, dd-engine (the engine alone: the ceiling of device-direct), "
+                        "py-ceiling (a Python group returning Gloo's own work: the ceiling of cpu-forward x1)")
     p.add_argument("--chunk-bytes", default="", help="cpu-forward chunk size, e.g. 1M (default 4M)")
     p.add_argument("--out", default="runs/bench_comm", help="folder for bench_comm.json / .png")
     p.add_argument("--simulate", default="nvidia:1,amd:1", help="ranks started here when not under torchrun")
@@ -57,7 +59,7 @@ def main(argv: list[str]) -> int:
     except ValueError:
         raise UserError(f"--stripes {args.stripes!r}: write stripe counts like 1,2,4") from None
     transports = [t.strip() for t in args.transports.split(",") if t.strip()]
-    unknown = set(transports) - {"gloo", "cpu-forward", "device-direct", "dd-engine"}
+    unknown = set(transports) - {"gloo", "cpu-forward", "device-direct", "dd-engine", "py-ceiling"}
     if unknown or not sizes or not stripes or min(stripes) < 1 or args.iters < 1:
         raise UserError(f"bad benchmark arguments (transports {sorted(unknown) or transports}, stripes {stripes}, "
                         f"iters {args.iters}); see bimetal bench comm --help")
@@ -100,6 +102,10 @@ def _groups(args: argparse.Namespace, stripes: list[int], transports: list[str],
             opts = CpuForwardOptions(stripes=k, interfaces=names, chunk_bytes=args.chunk_bytes)
             groups[f"cpu-forward x{k}"] = dist.new_group([0, 1], backend="bimetal_cpu_forward", pg_options=opts,
                                                          group_desc=f"bench.cf{k}")
+    if "py-ceiling" in transports:
+        opts = CpuForwardOptions(stripes=1, interfaces=ifaces[:1], chunk_bytes=args.chunk_bytes)
+        groups["py-ceiling"] = PythonCeiling(dist.new_group([0, 1], backend="bimetal_cpu_forward", pg_options=opts,
+                                                            group_desc="bench.py-ceiling"))
     dd_host = {"host": _iface_address(ifaces[0])} if ifaces else {}
     if "device-direct" in transports:
         groups["device-direct"] = dist.new_group([0, 1], backend="bimetal_device_direct", group_desc="bench.dd",
@@ -113,6 +119,35 @@ def _groups(args: argparse.Namespace, stripes: list[int], transports: list[str],
         groups["dd-engine"] = EngineOnly(store, dist.get_rank(), dd_host.get("host") or default_host(), max(sizes),
                                          dd.chunk_bytes, dd.window)
     return groups
+
+
+class PythonCeiling:
+    """``py-ceiling``: a cpu-forward group on one stripe whose ``send``/``recv`` hand back Gloo's own work for what
+    the group's one-message fast path takes (``p2p.Lean``), after the same checks and nothing else: no op number,
+    no byte counts, no ``Work`` of ours and so no words on a failure. It is the least a process group written in
+    Python adds to Gloo (a Python call and the checks), so ``cpu-forward x1 / py-ceiling`` is what the fast path's
+    bookkeeping costs and ``py-ceiling / gloo`` what only leaving Python would win. A benchmark variant, not a
+    transport: a failure in it comes out in Gloo's words."""
+
+    def __init__(self, pg: Any):
+        self.pg, self.lean = pg, pg.lean
+
+    def _takes(self, t: Any, key: tuple[str, int]) -> bool:
+        from bimetal.comm.cpu_forward.p2p import LEAN_DTYPES
+
+        lean = self.lean
+        return (lean is not None and t.is_cpu and t.dtype in LEAN_DTYPES and t.is_contiguous()
+                and t.nbytes <= lean.limit and lean.workers.direct(key))
+
+    def send(self, tensors: list[Any], dst: int, tag: int = 0) -> Any:
+        if len(tensors) == 1 and self._takes(tensors[0], ("send", dst)):
+            return self.lean.stripe.send(tensors, dst, tag)
+        return self.pg.send(tensors, dst, tag)
+
+    def recv(self, tensors: list[Any], src: int, tag: int = 0) -> Any:
+        if len(tensors) == 1 and self._takes(tensors[0], ("recv", src)):
+            return self.lean.stripe.recv(tensors, src, tag)
+        return self.pg.recv(tensors, src, tag)
 
 
 _SMALL, _SMALL_ITERS = 64 << 10, 200
@@ -201,12 +236,14 @@ def _report(samples: dict[str, dict[int, list[float]]], sizes: list[int]) -> dic
     ref = 64 * 2**20 if 64 * 2**20 in sizes else max(sizes)
     small = 4 << 10 if 4 << 10 in sizes else min(sizes)
     one = "cpu-forward x1"
-    if "gloo" in samples and one in samples:
-        for size in sizes:  # bandwidth ratio = gloo's time / cpu-forward's, per iteration
-            if size < 64 << 10:
-                ratios[f"{one} / gloo latency @ {_fmt(size)}"] = paired(samples[one][size], samples["gloo"][size])
-            else:
-                ratios[f"{one} / gloo bandwidth @ {_fmt(size)}"] = paired(samples["gloo"][size], samples[one][size])
+    # bandwidth ratio = the reference's time / the variant's, per iteration (py-ceiling: see PythonCeiling)
+    for num, den in ((one, "gloo"), ("py-ceiling", "gloo"), (one, "py-ceiling")):
+        if num in samples and den in samples:
+            for size in sizes:
+                if size < 64 << 10:
+                    ratios[f"{num} / {den} latency @ {_fmt(size)}"] = paired(samples[num][size], samples[den][size])
+                else:
+                    ratios[f"{num} / {den} bandwidth @ {_fmt(size)}"] = paired(samples[den][size], samples[num][size])
     for name in samples:
         if name.startswith("cpu-forward x") and name != one and one in samples:
             k = int(name.rsplit("x", 1)[1])

@@ -3,7 +3,8 @@
 ``python cf_fault_rank.py OUT_DIR MODE`` with 2 ranks; MODE ``die`` (rank 1 exits abruptly after sending
 half of a chunked message), ``stall`` (rank 1 stops answering) ``corrupt`` (checksums on, rank 1 flips
 a byte of its message after computing the checksum) or ``desync`` (rank 1 calls all_gather where rank 0
-calls all_reduce: both time out and rank 0's error says what rank 1 was doing). Rank 0 records what its receive raised
+calls all_reduce: both time out and rank 0's error, a timeout or the connection rank 1's timeout closed,
+says what rank 1 was doing). Rank 0 records what its receive raised
 and how long it took in ``OUT_DIR/rank0.json``.
 """
 

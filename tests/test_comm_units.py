@@ -230,7 +230,7 @@ def test_fast_path_work_waits_for_gloo_once_and_words_a_timeout() -> None:
     import threading
 
     from bimetal.comm.base import OpRecord, TransportError, TransportTimeout
-    from bimetal.comm.cpu_forward.work import LeanWork
+    from bimetal.comm.cpu_forward.work import CLOSED_REPORT_WAIT_S, LeanWork
 
     class Pg:
         timeout = timedelta(seconds=30)
@@ -238,7 +238,10 @@ def test_fast_path_work_waits_for_gloo_once_and_words_a_timeout() -> None:
         description = "unit"
         global_ranks = [0, 3]  # the words name the peer's global rank
 
-        def diagnose(self, op: OpRecord) -> str:
+        waits: list[float | None] = []
+
+        def diagnose(self, op: OpRecord, wait_s: float | None = None) -> str:
+            self.waits.append(wait_s)
             return "peer 3 is in send #4"
 
     class Blocking:
@@ -275,6 +278,17 @@ def test_fast_path_work_waits_for_gloo_once_and_words_a_timeout() -> None:
     with pytest.raises(TransportTimeout, match=r"'unit' recv #5 with peer 3 did not complete within 30 s .*send #4"):
         late.wait()
     assert isinstance(late.exception(), TransportTimeout) and not late.is_success()
-    closed = LeanWork(Pg(), ("send", 6, 1), Failing("Connection closed by peer"))
-    with pytest.raises(TransportError, match=r"group 'unit' send #6 with peer 3 failed: Connection closed by peer"):
+    assert Pg.waits == [None]  # a timeout waits the group's default for the peers' reports
+    # a closed connection may be the peer's own timeout (it publishes where it is): asked for, with a short wait;
+    # Gloo's guess that the peer crashed is left out
+    closed = LeanWork(Pg(), ("send", 6, 1), Failing(
+        "[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1234. This is typically caused by a "
+        "remote worker crashing. GLHF!"))
+    with pytest.raises(TransportError, match=r"^group 'unit' send #6 with peer 3 failed: Connection closed by peer "
+                                             r"\[127.0.0.1\]:1234; peer 3 is in send #4$"):
         closed.wait()
+    assert Pg.waits == [None, CLOSED_REPORT_WAIT_S]
+    other = LeanWork(Pg(), ("send", 7, 1), Failing("[gloo/transport/tcp/pair.cc:400] Connection refused\nmore"))
+    with pytest.raises(TransportError, match=r"^group 'unit' send #7 with peer 3 failed: \[gloo.*refused$"):
+        other.wait()
+    assert Pg.waits == [None, CLOSED_REPORT_WAIT_S]  # other errors ask no one

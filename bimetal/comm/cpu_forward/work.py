@@ -11,6 +11,7 @@ beyond Gloo's own: a 4 KiB message costs what a Gloo one does plus a few Python 
 from __future__ import annotations
 
 import queue
+import re
 import threading
 import time
 import warnings
@@ -41,6 +42,10 @@ class Named(Timed, Protocol):
 
     @property
     def description(self) -> str: ...
+
+Diagnose = Callable[[OpRecord, "float | None"], str]
+"""A group's ``diagnose``: publish where this rank is, say where the peers are (waiting the given seconds, or the
+group's default for ``None``)."""
 
 _STOP = object()
 
@@ -76,10 +81,16 @@ def _ignore(value: Any) -> None:
     pass
 
 
+CLOSED_REPORT_WAIT_S = 5.0
+"""How long a rank whose peer closed the connection waits for the peers' reports of where they are: a peer that
+timed out publishes its report right after its Gloo closed the pair; a dead one never does (its error comes this
+much later, saying so)."""
+
+
 class Deadline:
     """The op's deadline (start + group timeout) and the translation of Gloo's errors into ours."""
 
-    def __init__(self, op: OpRecord, timeout: timedelta, diagnose: Callable[[OpRecord], str] | None = None):
+    def __init__(self, op: OpRecord, timeout: timedelta, diagnose: Diagnose | None = None):
         self.op, self.timeout, self.diagnose = op, timeout, diagnose
         self.end = time.monotonic() + timeout.total_seconds()
         self.release: Callable[[], None] = _nothing
@@ -98,14 +109,22 @@ class Deadline:
             raise self.translate(exc) from None
 
     def translate(self, exc: RuntimeError) -> TransportError:
-        """Gloo's error of a wait as ours: a timeout names the op and where the peers are."""
+        """Gloo's error of a wait as ours: a timeout names the op and where the peers are; so does a connection
+        the peer closed, which is what a peer's own timeout looks like from here when it came first (two ranks
+        in different operations both time out, and the one whose Gloo gives up first closes the pair)."""
         text = str(exc)
         if "timed out" in text.lower() or "timeout" in text.lower():
             return self.expired()
-        return TransportError(f"{self.op.describe()} failed: {text.splitlines()[0]}")
+        closed = re.search(r"Connection closed by peer\s*\S*", text)
+        if closed is None or not self.diagnose:
+            return TransportError(f"{self.op.describe()} failed: {text.splitlines()[0]}")
+        # (Gloo's guess that the peer crashed is left out: the peers' reports say what it is doing)
+        where = self.diagnose(self.op, CLOSED_REPORT_WAIT_S)
+        return TransportError(f"{self.op.describe()} failed: {closed.group(0).rstrip('.')}"
+                              + (f"; {where}" if where else ""))
 
     def expired(self) -> TransportTimeout:
-        where = self.diagnose(self.op) if self.diagnose else ""
+        where = self.diagnose(self.op, None) if self.diagnose else ""
         return TransportTimeout(f"{self.op.describe()} did not complete within {self.timeout.total_seconds():g} s "
                                 "(the peer did not answer: dead, stalled or in a different operation)"
                                 + (f"; {where}" if where else ""))
@@ -115,7 +134,7 @@ class Workers:
     """A group's workers by key, what the fast path must know of them (jobs whose Gloo ops are not posted yet),
     and errors that came after their op had completed for its caller (reported by the next op of that key)."""
 
-    def __init__(self, name: Callable[[], str], timeout: timedelta, diagnose: Callable[[OpRecord], str]):
+    def __init__(self, name: Callable[[], str], timeout: timedelta, diagnose: Diagnose):
         """``name()``: the group's description, for the threads' names (torch sets it after creation)."""
         self.name, self.timeout, self.diagnose = name, timeout, diagnose
         self._workers: dict[Any, Worker] = {}

@@ -4,8 +4,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # Debian packages some tests use: libibverbs1 (Mooncake's library links it even for TCP), iproute2 (the lab:
-# ip, tc), iptables (the lab's link latency and packet loss on kernels without netem).
-DEB_PACKAGES := libibverbs1 iproute2 iptables
+# ip, tc), iptables (the lab's link latency and packet loss on kernels without netem), g++ and ninja-build
+# (`bench comm --transports cpp-ceiling` compiles its C++ group on first use).
+DEB_PACKAGES := libibverbs1 iproute2 iptables g++ ninja-build
 
 .PHONY: venv demo test lint debian-packages clean gpu-check
 

@@ -43,6 +43,15 @@ def iptables_unavailable() -> str | None:
     return None
 
 
+def compiler_unavailable() -> str | None:
+    """Why ``bench comm --transports cpp-ceiling`` cannot build its C++ group here (no c++ or ninja), or None."""
+    missing = [tool for tool in ("c++", "ninja") if shutil.which(tool) is None]
+    if missing:
+        return (f"{' and '.join(missing)} not installed (cpp-ceiling compiles on first use); run `make test` as root "
+                "or `sudo apt-get install g++ ninja-build`")
+    return None
+
+
 def lab_unavailable() -> str | None:
     """Why this machine cannot host a lab, or None when it can."""
     if not hasattr(os, "geteuid") or os.geteuid() != 0:

@@ -45,7 +45,9 @@ def iptables_unavailable() -> str | None:
 
 def compiler_unavailable() -> str | None:
     """Why ``bench comm --transports cpp-ceiling`` cannot build its C++ group here (no c++ or ninja), or None."""
-    missing = [tool for tool in ("c++", "ninja") if shutil.which(tool) is None]
+    from bimetal.bench.comm import missing_cpp_tools
+
+    missing = missing_cpp_tools()
     if missing:
         return (f"{' and '.join(missing)} not installed (cpp-ceiling compiles on first use); run `make test` as root "
                 "or `sudo apt-get install g++ ninja-build`")

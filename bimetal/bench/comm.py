@@ -11,7 +11,7 @@ reported, and the ratios the performance targets name are printed, each as the m
 (bandwidth from 64 KiB up, latency below), K stripes against K times one, and device-direct against
 cpu-forward on one stripe (bandwidth at 64 MiB, latency at 4 KiB; device-direct listens on the first
 ``--ifaces`` link too, so all variants share one link), and ``py-ceiling`` and ``cpp-ceiling`` against Gloo
-and against cpu-forward (see ``PythonCeiling`` and ``cpp_ceiling``). Sizes take K/M/G suffixes everywhere (``--sizes
+and against cpu-forward (see ``PythonCeiling`` and ``cpp_ceiling.cpp``). Sizes take K/M/G suffixes everywhere (``--sizes
 4K,1M``, ``--chunk-bytes 1M``). Outside a launched job it starts two simulated ranks on this machine; under
 torchrun (the lab, real nodes) it uses the job's ranks.
 Writes ``bench_comm.json`` and ``bench_comm.png`` (matplotlib, if installed) to ``--out``.
@@ -160,11 +160,16 @@ _CPP_SOURCE = Path(__file__).with_name("cpp_ceiling.cpp")
 _CPP_BACKEND = "bimetal_cpp_ceiling"
 
 
-def _cpp_tools() -> None:
-    """``cpp-ceiling`` is compiled on first use (torch's C++ extension loader): say so before anything starts."""
+def missing_cpp_tools() -> list[str]:
+    """What of the C++ compiler and ninja (torch's C++ extension loader needs both) is not on PATH."""
     import shutil
 
-    missing = [tool for tool in ("c++", "ninja") if shutil.which(tool) is None]
+    return [tool for tool in ("c++", "ninja") if shutil.which(tool) is None]
+
+
+def _cpp_tools() -> None:
+    """``cpp-ceiling`` is compiled on first use (torch's C++ extension loader): say so before anything starts."""
+    missing = missing_cpp_tools()
     if missing:
         raise UserError(f"--transports cpp-ceiling compiles a C++ group on first use and needs {' and '.join(missing)}"
                         " on PATH (Debian: apt-get install g++ ninja-build)")

@@ -6,7 +6,6 @@
 #include <torch/extension.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
-#include <atomic>
 #include <string>
 #include <utility>
 #include <vector>
@@ -34,19 +33,15 @@ class CppCeiling : public c10d::Backend {
     return gloo_->barrier(opts);
   }
 
-  int64_t ops() const { return ops_.load(); }
-
  private:
-  // what the fast path checks before it posts (one contiguous CPU tensor, a peer of the group), and its count
-  void check(const std::vector<at::Tensor>& tensors, int peer, const char* op) {
+  // what the fast path checks before it posts: one contiguous CPU tensor, a peer of the group
+  void check(const std::vector<at::Tensor>& tensors, int peer, const char* op) const {
     TORCH_CHECK(tensors.size() == 1 && tensors[0].is_cpu() && tensors[0].is_contiguous(),
                 "cpp-ceiling ", op, ": one contiguous CPU tensor");
     TORCH_CHECK(peer >= 0 && peer < getSize() && peer != getRank(), "cpp-ceiling ", op, ": no peer ", peer);
-    ops_.fetch_add(1, std::memory_order_relaxed);
   }
 
   c10::intrusive_ptr<c10d::Backend> gloo_;
-  std::atomic<int64_t> ops_{0};
 };
 
 }  // namespace
@@ -54,6 +49,5 @@ class CppCeiling : public c10d::Backend {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::module::import("torch.distributed");  // registers c10d::Backend with pybind11 first
   py::class_<CppCeiling, c10d::Backend, c10::intrusive_ptr<CppCeiling>>(m, "CppCeiling")
-      .def(py::init<c10::intrusive_ptr<c10d::Backend>>(), py::arg("gloo"))
-      .def_property_readonly("ops", &CppCeiling::ops);
+      .def(py::init<c10::intrusive_ptr<c10d::Backend>>(), py::arg("gloo"));
 }

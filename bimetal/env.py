@@ -82,6 +82,11 @@ def _interfaces(name: str, raw: str) -> None:
         raise UserError(f"{name}={raw!r} is not valid; give interface names separated by commas, e.g. eth0,eth1.")
 
 
+def _rdma_devices(name: str, raw: str) -> None:
+    if not all(n.strip() for n in raw.split(",")):
+        raise UserError(f"{name}={raw!r} is not valid; give RDMA device names separated by commas, e.g. mlx5_0,mlx5_1.")
+
+
 def _host(name: str, raw: str) -> None:
     try:
         ipaddress.ip_address(raw.strip())
@@ -146,6 +151,8 @@ VARIABLES: dict[str, Check] = {
     "BIMETAL_DD_INLINE_BYTES": _integer(0, 256 << 10),
     "BIMETAL_DD_FALLBACK": _choice("error", "cpu-forward"),
     "BIMETAL_DD_DEVICE": _device,
+    "BIMETAL_DD_DEVICES": _rdma_devices,
+    "BIMETAL_DD_REG_CACHE_BYTES": _integer(1),
     "BIMETAL_THREADS": _integer(1),
     "BIMETAL_HOST": _nonempty,
     "BIMETAL_LAB": _nonempty,

@@ -54,7 +54,8 @@ def test_bad_notes_are_refused_naming_the_fault(raw: object, payload: bytes, say
 
 def _record(**changes: object) -> dict:
     record = {"ok": True, "endpoint": {"session": "h:1"}, "pools": {"1": 4096}, "chunk_bytes": 1024, "slots": 8,
-              "inline": 0, "control": {"host": "127.0.0.1", "port": 5, "token": "t"}}
+              "inline": 0, "control": {"host": "127.0.0.1", "port": 5, "token": "t"}, "host": "node1",
+              "fabric": {"protocol": "rdma", "devices": {"mlx5_0": ["InfiniBand"]}}}
     record.update(changes)
     return record
 
@@ -67,6 +68,8 @@ def test_start_up_records_are_checked_naming_the_rank() -> None:
                       (_record(pools={"x": 4096}), "malformed receive-pool addresses from group rank 3"),
                       (_record(pools={"1": 0}), "malformed receive-pool addresses"),
                       (_record(slots="8"), "malformed device-direct record"),
+                      (_record(fabric={"protocol": "rdma", "devices": {"mlx5_0": "IB"}}), "host or fabric"),
+                      (_record(host=None), "malformed device-direct host or fabric from group rank 3"),
                       ({"ok": False}, "malformed device-direct record")]:
         with pytest.raises(TransportError, match=says):
             check_record(3, bad)
@@ -94,7 +97,8 @@ def test_the_proxy_drops_a_bad_note_and_says_why(caplog: pytest.LogCaptureFixtur
 
 @pytest.fixture
 def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
-    for name in ("HOST", "PROTOCOL", "ENGINE", "CHUNK_BYTES", "SLOTS", "WINDOW", "INLINE_BYTES", "FALLBACK", "DEVICE"):
+    for name in ("HOST", "PROTOCOL", "ENGINE", "CHUNK_BYTES", "SLOTS", "WINDOW", "INLINE_BYTES", "FALLBACK", "DEVICE",
+                 "DEVICES", "REG_CACHE_BYTES"):
         monkeypatch.delenv(f"BIMETAL_DD_{name}", raising=False)
     monkeypatch.setenv("BIMETAL_DD_HOST", "127.0.0.1")
     return monkeypatch

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 import time
 import traceback
@@ -93,6 +94,19 @@ def _exchange(rank: int, port: int) -> dict:
         dist.recv(got, 0, group=pg)
         assert _same_bits(got, big), "256 MiB message differs"
         checked += 1
+    # memory registered once: rendezvous messages into one reused buffer (fresh tensors sent) register it once
+    inbox, seen = torch.empty((4 << 20) + 5, dtype=torch.uint8), set()
+    for k in range(10):
+        want = _payload(torch.uint8, inbox.numel(), 500 + k)
+        if rank == 0:
+            dist.send(want, 1, group=pg, tag=7)
+        else:
+            dist.recv(inbox, 0, group=pg, tag=7)
+            assert _same_bits(inbox, want), f"reused-buffer message {k} differs"
+        seen.add(pg.comm_stats()["engine_registrations"])
+    assert len(seen) == 1, f"registrations grew with the messages: {sorted(seen)}"
+    # the engine was told where the memory is by its own names (cpu:<NUMA node>), not the bare "cpu"
+    assert re.fullmatch(r"(cpu:\d+|\*)(,(cpu:\d+|\*))*", pg.device_report()["engine locations"]), pg.device_report()
     # many messages in flight both ways (as 1F1B makes): more than the credits, eager and rendezvous mixed
     sizes = [(k * 977) % (6 << 20) + 1 for k in range(48)]
     ops, recvs = [], []

@@ -216,7 +216,8 @@ BAD_VALUES = {"BIMETAL_SIMULATE": "nvidia", "BIMETAL_VENDOR": "intel", "BIMETAL_
               "BIMETAL_CF_STALL_S": "nan", "BIMETAL_DD_PROTOCOL": "ib",
               "BIMETAL_DD_ENGINE": "nixl", "BIMETAL_DD_HOST": "not-an-ip", "BIMETAL_DD_CHUNK_BYTES": "0",
               "BIMETAL_DD_SLOTS": "0", "BIMETAL_DD_WINDOW": "-1", "BIMETAL_DD_INLINE_BYTES": "999999",
-              "BIMETAL_DD_FALLBACK": "maybe", "BIMETAL_DD_DEVICE": "gpu0", "BIMETAL_THREADS": "1.5",
+              "BIMETAL_DD_FALLBACK": "maybe", "BIMETAL_DD_DEVICE": "gpu0",
+              "BIMETAL_DD_DEVICES": "mlx5_0,,mlx5_1", "BIMETAL_DD_REG_CACHE_BYTES": "0", "BIMETAL_THREADS": "1.5",
               "BIMETAL_HOST": " ", "BIMETAL_LAB": " ", "BIMETAL_LAB_NICS": ",", "BIMETAL_LAB_RANK_ENV": "[1]",
               "BIMETAL_FAULT_KILL": "3:x", "BIMETAL_FAULT_STALL": "3:3", "BIMETAL_TRACEBACK": "true",
               "BIMETAL_LAUNCH_REPORT": " "}

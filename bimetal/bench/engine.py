@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from bimetal.comm.device_direct.engine import Engine, WriteStatus, choose_protocol, open_engine
+from bimetal.comm.device_direct.locations import location_name
 
 _SPIN_S = 300e-6
 _NAP_S = 200e-6
@@ -40,7 +41,8 @@ class EngineOnly:
         self.rank, self.peer, self.chunk, self.window, self.timeout = rank, 1 - rank, chunk, window, timeout
         self.engine: Engine = open_engine(host, choose_protocol())
         self.landing = torch.empty(max(capacity, 1), dtype=torch.uint8)
-        self.engine.register(self.landing.data_ptr(), self.landing.numel(), "cpu")
+        self.engine.register(self.landing.data_ptr(), self.landing.numel(),
+                             location_name(self.landing.device, self.landing.data_ptr(), self.engine.gpu_prefix))
         store.set(f"bimetal_dd_engine_only/{rank}", json.dumps({"endpoint": self.engine.endpoint(),
                                                                 "landing": self.landing.data_ptr()}))
         record = json.loads(store.get(f"bimetal_dd_engine_only/{self.peer}"))

@@ -2,7 +2,8 @@
 
 Registered as ``bimetal_device_direct`` (``bimetal.comm.registry``); this package only re-exports. Its files:
 
-* ``creator.py``: the back-end creator (engine start-up agreement, the fallback to cpu-forward);
+* ``creator.py``: the back-end creator (engine start-up agreement, the fallback to cpu-forward); ``builds.py``:
+  the installed engine wheel against torch's build; ``probe.py``: the start-up probe write between every pair;
 * ``options.py``: ``DeviceDirectOptions`` (``pg_options``, else ``BIMETAL_DD_*``, else defaults) and the
   resolved ``DeviceDirectSettings``;
 * ``pg.py``: the process group (point-to-point, and the few collectives a pp group runs, over it);
@@ -10,12 +11,15 @@ Registered as ``bimetal_device_direct`` (``bimetal.comm.registry``); this packag
   protocols it drives; ``ops.py``: an operation and its states; ``credits.py``, ``pacing.py``: receive-slot
   credits and poll pacing; ``notes.py``: validation of the notes and start-up records peers exchange;
 * ``control.py``: the control channel (persistent TCP connections, hardened listener);
-* ``engine.py``: the transfer-engine interface and protocol choice; ``mooncake.py``: the Mooncake adapter.
+* ``engine.py``: the transfer-engine interface and protocol choice; ``mooncake.py``: the Mooncake adapter;
+  ``locations.py``: the engine's names for memory locations; ``registrations.py``: memory registered once (the
+  group's buffers), cached (receive tensors) or copied into a registered send pool.
 
 Options (``DeviceDirectOptions`` or a dict of its fields as ``pg_options``, else env): ``host`` /
 ``BIMETAL_DD_HOST``, ``protocol`` / ``BIMETAL_DD_PROTOCOL``, ``engine`` / ``BIMETAL_DD_ENGINE``, ``chunk_bytes`` /
 ``BIMETAL_DD_CHUNK_BYTES``, ``slots`` / ``BIMETAL_DD_SLOTS``, ``window`` / ``BIMETAL_DD_WINDOW``, ``inline_bytes``
-/ ``BIMETAL_DD_INLINE_BYTES``, ``fallback`` / ``BIMETAL_DD_FALLBACK``, ``device`` / ``BIMETAL_DD_DEVICE``. The host
+/ ``BIMETAL_DD_INLINE_BYTES``, ``fallback`` / ``BIMETAL_DD_FALLBACK``, ``device`` / ``BIMETAL_DD_DEVICE``, ``devices``
+/ ``BIMETAL_DD_DEVICES``, ``reg_cache_bytes`` / ``BIMETAL_DD_REG_CACHE_BYTES``. The host
 defaults to this rank's own NIC: NIC number ``LOCAL_RANK`` of the node (one NIC per GPU), else the first NIC,
 else loopback.
 """

@@ -4,6 +4,11 @@ Every rank of the group tries to start its engine and publishes the outcome; if 
 take the same decision, by the fallback policy (``fallback`` option or ``BIMETAL_DD_FALLBACK``): ``error``
 raises one sentence naming the rank, the missing piece and the fix; ``cpu-forward`` warns and builds a
 cpu-forward group instead. The path never changes silently.
+
+The start-up probe (``probe.py``: one engine write between every pair, with a deadline) follows the same policy:
+the ranks agree on its outcome, so a pair whose fabrics do not meet is, on every rank, either the one sentence
+naming both ranks, their hosts and fabrics (``error``) or a cpu-forward group that carries that sentence as its
+``fallback_reason`` (``cpu-forward``), as an engine that cannot start is.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import torch.distributed as dist
 from bimetal.comm.device_direct.engine import Engine, EngineUnavailableError, choose_protocol, open_engine
 from bimetal.comm.device_direct.options import options_from
 from bimetal.comm.device_direct.pg import DeviceDirectProcessGroup
+from bimetal.comm.device_direct.probe import ProbeFailedError
 from bimetal.topology import store_exchange
 
 log = logging.getLogger(__name__)
@@ -34,8 +40,8 @@ def create_process_group(dist_backend_opts: Any, pg_options: Any) -> dist.Proces
     engine: Engine | None = None
     reason = ""
     try:
-        engine = open_engine(opts.host, choose_protocol(None if opts.protocol == "auto" else opts.protocol),
-                             opts.engine)
+        protocol = choose_protocol(None if opts.protocol == "auto" else opts.protocol, opts.devices)
+        engine = open_engine(opts.host, protocol, opts.engine, opts.devices)
     except EngineUnavailableError as exc:
         reason = str(exc)
     # agreement round: every rank says whether its engine started before anyone builds the group
@@ -44,7 +50,14 @@ def create_process_group(dist_backend_opts: Any, pg_options: Any) -> dist.Proces
     failed = [(p, answer) for p, answer in enumerate(answers) if answer != "ok"]
     if not failed:
         assert engine is not None
-        return DeviceDirectProcessGroup(store, rank, size, timeout, global_ranks, engine, opts, opts.torch_device())
+        try:
+            return DeviceDirectProcessGroup(store, rank, size, timeout, global_ranks, engine, opts,
+                                            opts.torch_device())
+        except ProbeFailedError as exc:  # every rank has the same sentence (the group closed its engine)
+            if opts.fallback == "error":
+                raise ProbeFailedError(f"{exc} (or set BIMETAL_DD_FALLBACK=cpu-forward to use cpu-forward "
+                                       "instead)") from None
+            return _fall_back(dist_backend_opts, pg_options, str(exc))
     if engine is not None:
         engine.close()
     p, why = failed[0]
@@ -52,13 +65,12 @@ def create_process_group(dist_backend_opts: Any, pg_options: Any) -> dist.Proces
     if opts.fallback == "error":
         raise EngineUnavailableError(f"the device-direct engine could not start {where}: {why} "
                                      "(or set BIMETAL_DD_FALLBACK=cpu-forward to use cpu-forward instead)")
-    return _fall_back(dist_backend_opts, pg_options, where, why)
+    return _fall_back(dist_backend_opts, pg_options, f"device-direct engine could not start {where} ({why})")
 
 
-def _fall_back(dist_backend_opts: Any, pg_options: Any, where: str, why: str) -> dist.ProcessGroup:
+def _fall_back(dist_backend_opts: Any, pg_options: Any, what: str) -> dist.ProcessGroup:
     """A cpu-forward group in place of the device-direct one, with a warning and the reason on the group."""
-    message = (f"device-direct engine could not start {where} ({why}); group falls back to cpu-forward "
-               "as BIMETAL_DD_FALLBACK=cpu-forward asks")
+    message = f"{what}; group falls back to cpu-forward as BIMETAL_DD_FALLBACK=cpu-forward asks"
     warnings.warn(message, RuntimeWarning, stacklevel=3)
     log.warning(message)
     try:

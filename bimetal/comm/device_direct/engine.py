@@ -5,7 +5,8 @@ carries short text notifications. The proxy and the process group only use this 
 engine (e.g. NIXL) is one more adapter module plus one entry in ``ENGINES``; nothing else changes.
 
 Also here: the choice of wire protocol from the topology (RDMA where verbs devices exist, TCP otherwise),
-overridable with ``BIMETAL_DD_PROTOCOL`` or the ``protocol`` option.
+overridable with ``BIMETAL_DD_PROTOCOL`` or the ``protocol`` option, and the check of the RDMA devices the user
+named (``BIMETAL_DD_DEVICES`` or the ``devices`` option), which the engine is then restricted to.
 """
 
 from __future__ import annotations
@@ -13,17 +14,20 @@ from __future__ import annotations
 import abc
 import enum
 import importlib
+import logging
 from pathlib import Path
 from typing import Any
 
 from bimetal.env import read as read_env
 from bimetal.errors import UserError
 
+log = logging.getLogger(__name__)
 PROTOCOL_ENV = "BIMETAL_DD_PROTOCOL"
 ENGINE_ENV = "BIMETAL_DD_ENGINE"
+DEVICES_ENV = "BIMETAL_DD_DEVICES"
 VERBS_SYSFS = Path("/sys/class/infiniband")
 
-# engine name -> module with ``open_engine(host, protocol) -> Engine``
+# engine name -> module with ``open_engine(host, protocol, devices) -> Engine``
 ENGINES = {"mooncake": "bimetal.comm.device_direct.mooncake"}
 
 
@@ -46,6 +50,8 @@ class Engine(abc.ABC):
 
     name: str
     protocol: str
+    gpu_prefix: str = "cuda"
+    """How the engine names GPU memory locations (``cuda:N``; ``hip:N`` on Mooncake's ROCm build)."""
 
     @abc.abstractmethod
     def endpoint(self) -> dict[str, Any]:
@@ -57,7 +63,7 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     def register(self, ptr: int, nbytes: int, location: str) -> None:
-        """Register memory for one-sided access (``location``: ``cpu`` or ``cuda:N``)."""
+        """Register memory for one-sided access (``location``: the engine's name for it, ``locations.py``)."""
 
     @abc.abstractmethod
     def unregister(self, ptr: int) -> None:
@@ -105,30 +111,44 @@ def verbs_devices() -> list[str]:
         return []
 
 
-def choose_protocol(requested: str | None = None) -> str:
-    """``rdma`` or ``tcp``: the request (option, else env), or RDMA where verbs devices exist, else TCP."""
+def choose_protocol(requested: str | None = None, devices: tuple[str, ...] = ()) -> str:
+    """``rdma`` or ``tcp``: the request (option, else env), or RDMA where verbs devices exist, else TCP.
+
+    ``devices``: the RDMA devices the user named; each must exist here (one sentence naming the first that
+    does not), and they make ``auto`` mean RDMA. With TCP they have no effect, which is logged."""
     choice = (requested or read_env(PROTOCOL_ENV) or "auto").strip().lower()
-    if choice == "auto":
-        return "rdma" if verbs_devices() else "tcp"
-    if choice not in ("rdma", "tcp"):
+    if choice not in ("rdma", "tcp", "auto"):
         raise EngineUnavailableError(
             f"unknown device-direct protocol {choice!r}; "
             f"set {PROTOCOL_ENV} (or the protocol option) to rdma, tcp or auto"
         )
-    if choice == "rdma" and not verbs_devices():
+    present = verbs_devices()
+    if devices and choice != "tcp":
+        missing = [d for d in devices if d not in present]
+        if missing:
+            raise EngineUnavailableError(
+                f"{DEVICES_ENV} (or the devices option) names {missing[0]}, which is not an RDMA device of this host "
+                f"(its devices under {VERBS_SYSFS}: {', '.join(present) or 'none'})"
+            )
+    if choice == "auto":
+        return "rdma" if present else "tcp"
+    if choice == "rdma" and not present:
         raise EngineUnavailableError(
             f"the rdma protocol was requested but no verbs device exists under {VERBS_SYSFS}; "
             f"install the RDMA driver or set {PROTOCOL_ENV}=tcp"
         )
+    if devices and choice == "tcp":
+        log.warning("device-direct: %s=%s has no effect with the tcp protocol", DEVICES_ENV, ",".join(devices))
     return choice
 
 
-def open_engine(host: str, protocol: str, name: str | None = None) -> Engine:
-    """Start the named engine (option, else ``BIMETAL_DD_ENGINE``, else mooncake) on ``host``."""
+def open_engine(host: str, protocol: str, name: str | None = None, devices: tuple[str, ...] = ()) -> Engine:
+    """Start the named engine (option, else ``BIMETAL_DD_ENGINE``, else mooncake) on ``host``; over RDMA it opens
+    only ``devices`` when some are named (else every device it finds)."""
     engine_name = (name or read_env(ENGINE_ENV) or "mooncake").strip().lower()
     if engine_name not in ENGINES:
         raise EngineUnavailableError(
             f"unknown device-direct engine {engine_name!r}; set {ENGINE_ENV} to one of {', '.join(ENGINES)}"
         )
     module = importlib.import_module(ENGINES[engine_name])
-    return module.open_engine(host, protocol)
+    return module.open_engine(host, protocol, devices if protocol != "tcp" else ())

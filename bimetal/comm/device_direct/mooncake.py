@@ -5,6 +5,11 @@ which we publish through the group store. The CUDA, ROCm and CPU (``-non-cuda``)
 wire protocol. Facts measured on the CPU wheel 0.3.13 over TCP loopback: the blocking calls release the
 GIL; a write into memory the peer did not register is refused by the peer (status -1, nothing written);
 a write to a dead peer fails at once with -1; ``transfer_check_status`` returns 1 done, 0 pending, <0 failed.
+
+Before it starts, the installed wheel is checked against torch's build (``builds.py``). Over RDMA the engine opens
+only the devices named (``initialize``'s fourth argument, a comma-separated filter its topology discovery applies;
+Mooncake's own ``MC_TE_FILTERS`` whitelist still applies on top). GPU memory is named ``hip:N`` when the library
+was built for ROCm (its ``SUPPORT_HIP`` flag), else ``cuda:N``.
 """
 
 from __future__ import annotations
@@ -12,14 +17,16 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from bimetal.comm.device_direct.builds import check_installed, install_hint
 from bimetal.comm.device_direct.engine import Engine, EngineUnavailableError, PeerFailedError, WriteStatus
-
-_WHEELS = "mooncake-transfer-engine (CUDA), mooncake-transfer-engine-rocm (ROCm) or mooncake-transfer-engine-non-cuda"
 
 
 def _import_mooncake():
     # glog is chatty at INFO; keep warnings and errors (they explain failed writes)
     os.environ.setdefault("GLOG_minloglevel", "1")
+    problem = check_installed()
+    if problem:
+        raise EngineUnavailableError(problem)
     try:
         from mooncake import engine as mooncake_engine
     except ImportError as exc:
@@ -28,8 +35,9 @@ def _import_mooncake():
             raise EngineUnavailableError(
                 f"Mooncake Transfer Engine needs libibverbs ({missing}); install it with `apt-get install libibverbs1`"
             ) from exc
+        what = "is not installed" if isinstance(exc, ModuleNotFoundError) else "could not load"
         raise EngineUnavailableError(
-            f"Mooncake Transfer Engine is not installed ({missing}); `pip install` one of {_WHEELS}"
+            f"Mooncake Transfer Engine {what} ({missing}); install the build for this torch with {install_hint()}"
         ) from exc
     return mooncake_engine
 
@@ -39,14 +47,16 @@ class MooncakeEngine(Engine):
 
     name = "mooncake"
 
-    def __init__(self, host: str, protocol: str) -> None:
+    def __init__(self, host: str, protocol: str, devices: tuple[str, ...] = ()) -> None:
         self._mc = _import_mooncake()
         self.protocol = protocol
+        self.gpu_prefix = "hip" if getattr(self._mc, "SUPPORT_HIP", False) else "cuda"
         self._engine = self._mc.TransferEngine()
-        rc = self._engine.initialize(host, "P2PHANDSHAKE", protocol, "")
+        rc = self._engine.initialize(host, "P2PHANDSHAKE", protocol, ",".join(devices))
         if rc != 0:
+            named = f" with RDMA devices {','.join(devices)}" if devices else ""
             raise EngineUnavailableError(
-                f"Mooncake Transfer Engine failed to start with protocol {protocol} on host {host} (rc={rc}); "
+                f"Mooncake Transfer Engine failed to start with protocol {protocol}{named} on host {host} (rc={rc}); "
                 "check that the host address is local and, for rdma, that a verbs device is up"
             )
         self.session = f"{host}:{self._engine.get_rpc_port()}"
@@ -125,6 +135,7 @@ class MooncakeEngine(Engine):
         self._engine = None
 
 
-def open_engine(host: str, protocol: str) -> Engine:
-    """Start a Mooncake engine listening on ``host`` (an address of this machine)."""
-    return MooncakeEngine(host, protocol)
+def open_engine(host: str, protocol: str, devices: tuple[str, ...] = ()) -> Engine:
+    """Start a Mooncake engine listening on ``host`` (an address of this machine), over RDMA on ``devices``
+    only when some are named."""
+    return MooncakeEngine(host, protocol, devices)

@@ -3,7 +3,8 @@
 Two kinds of message cross between ranks, both JSON (never pickled):
 
 * **start-up records** over the group's store: this rank's engine endpoint, the addresses of the receive
-  pools it registered for each peer, its slot shape and its control-channel address (``check_record``);
+  pools it registered for each peer, its slot shape, its control-channel address, its host and its fabric
+  (``check_record``);
 * **notes** on the control channel (``control.py``), one per protocol step (``NOTE_FIELDS``): ``inline``,
   ``eager``, ``rts``, ``rtr``, ``nack``, ``fin`` and ``credit``, with the credits owed riding on any of them
   (``check_note``, which turns the wire dict into a ``Note``).
@@ -94,6 +95,17 @@ def check_record(peer: int, record: Any) -> dict[str, Any]:
             raise TransportError(f"malformed device-direct record from group rank {peer}: {record!r}")
         if not all(k.isdigit() and isinstance(v, int) and v > 0 for k, v in pools.items()):
             raise TransportError(f"malformed receive-pool addresses from group rank {peer}: {pools!r}")
+        fabric = record.get("fabric")
+        if not isinstance(record.get("host"), str) or not isinstance(fabric, dict) or not isinstance(
+                fabric.get("protocol"), str) or not _fabric_devices(fabric.get("devices")):
+            raise TransportError(f"malformed device-direct host or fabric from group rank {peer}: "
+                                 f"{record.get('host')!r}, {fabric!r}")
     elif not isinstance(record.get("reason"), str):
         raise TransportError(f"malformed device-direct record from group rank {peer}: {record!r}")
     return record
+
+
+def _fabric_devices(devices: Any) -> bool:
+    """A fabric's devices: device name -> list of link-layer names."""
+    return isinstance(devices, dict) and all(
+        isinstance(k, str) and isinstance(v, list) and all(isinstance(x, str) for x in v) for k, v in devices.items())

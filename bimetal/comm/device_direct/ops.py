@@ -41,11 +41,6 @@ class OpState(enum.Enum):
     """Rendezvous recv: the user's tensor is registered and its address sent; waits for ``fin``."""
 
 
-def location(t: torch.Tensor) -> str:
-    """The engine's name for where ``t`` lives: ``cpu`` or ``cuda:N``."""
-    return "cpu" if t.device.type == "cpu" else f"{t.device.type}:{t.device.index or 0}"
-
-
 def ready_event(t: torch.Tensor) -> Any:
     """An event on the producing stream, so the proxy does not read (or overwrite) the tensor too early."""
     if t.device.type != "cuda":
@@ -68,7 +63,9 @@ class Op:
     seq: int = -1
     state: OpState = OpState.NEW
     off: int = 0  # rendezvous sender: bytes posted
-    pending: list[tuple[int, int]] = field(default_factory=list)  # (handle, nbytes) in flight, oldest first
+    pending: list[tuple[int, int, int]] = field(default_factory=list)  # (handle, nbytes, send-pool buffer or -1)
+    # in flight, oldest first
+    region: Any = None  # the registration of the user's tensor in use (a Registrations region), if any
     addr: int = 0  # rendezvous: the receiver's registered address of the user tensor
     slot: int = -1
     since: float = 0.0  # rendezvous sender: when it started waiting for rtr
@@ -90,6 +87,10 @@ class Counters:
     inline_received_bytes: int = 0
     received_bytes: int = 0
     notes_sent: int = 0  # control messages, for profiling
+    registrations: int = 0  # memory registrations with the engine (the group's own buffers, then cache misses)
+    unregistrations: int = 0
+    registered_bytes: int = 0  # registered now
+    send_copy_bytes: int = 0  # bytes copied into the registered send pool (same device, no host bounce)
 
     def engine_bounce(self, n: int) -> None:
         """``n`` bytes of device memory that the engine's TCP transport copied through host memory: staging,
@@ -102,4 +103,6 @@ class Counters:
         return {"bytes_staged": self.staged_bytes, "bytes_engine_bounced": self.engine_bounce_bytes,
                 "bytes_direct": self.direct_bytes,
                 "landing_copy_bytes": self.landing_copy_bytes, "bytes_inline_sent": self.inline_sent_bytes,
-                "bytes_inline_received": self.inline_received_bytes, "control_notes_sent": self.notes_sent}
+                "bytes_inline_received": self.inline_received_bytes, "control_notes_sent": self.notes_sent,
+                "engine_registrations": self.registrations, "engine_unregistrations": self.unregistrations,
+                "engine_registered_bytes": self.registered_bytes, "bytes_send_copied": self.send_copy_bytes}

@@ -66,6 +66,10 @@ class DeviceDirectSettings:
     """When the engine cannot start: ``error`` (fail with the reason) or ``cpu-forward`` (warn and use it)."""
     device: str = ""
     """Where the receive slots live; empty: the current GPU when there is one, else the CPU."""
+    devices: tuple[str, ...] = ()
+    """The RDMA devices the engine may open (empty: every one it finds)."""
+    reg_cache_bytes: int = 4 << 30
+    """Bytes of user memory (rendezvous receive tensors) kept registered, least recently used out first."""
 
     def torch_device(self) -> torch.device:
         """The receive-slot device: the local GPU when there is one (so no byte bounces through the host)."""
@@ -99,6 +103,12 @@ class DeviceDirectOptions:
     """``BIMETAL_DD_FALLBACK``: ``error`` (default) or ``cpu-forward`` when an engine cannot start."""
     device: str | None = None
     """``BIMETAL_DD_DEVICE``: where the receive slots live (default: the current GPU, else the CPU)."""
+    devices: str | list[str] | None = None
+    """``BIMETAL_DD_DEVICES``: the RDMA devices the engine may open, e.g. ``mlx5_0,mlx5_1`` (default: every one
+    it finds); each must exist on the host."""
+    reg_cache_bytes: int | None = None
+    """``BIMETAL_DD_REG_CACHE_BYTES``: bytes of user tensors (rendezvous receives) kept registered with the
+    engine, least recently used out first (default 4 GiB)."""
 
     @classmethod
     def from_pg_options(cls, pg_options: Any) -> DeviceDirectOptions:
@@ -142,12 +152,28 @@ class DeviceDirectOptions:
             slots=_integer("slots", get("slots", defaults.slots)),
             window=_integer("window", get("window", defaults.window)),
             inline_bytes=_integer("inline_bytes", get("inline_bytes", defaults.inline_bytes), 0, MAX_INLINE),
-            fallback=fallback, device=str(get("device", "") or ""))
+            fallback=fallback, device=str(get("device", "") or ""), devices=_names(get("devices", "")),
+            reg_cache_bytes=_integer("reg_cache_bytes", get("reg_cache_bytes", defaults.reg_cache_bytes)))
 
 
 def options_from(pg_options: Any = None) -> DeviceDirectSettings:
     """The settings of a group: ``pg_options`` (see ``DeviceDirectOptions.from_pg_options``), env, defaults."""
     return DeviceDirectOptions.from_pg_options(pg_options).resolved()
+
+
+def _names(value: Any) -> tuple[str, ...]:
+    """RDMA device names from ``a,b`` or a list of names; an empty name is refused."""
+    names = value.split(",") if isinstance(value, str) else value
+    if not isinstance(names, list | tuple) or not all(isinstance(n, str) for n in names):
+        raise EngineUnavailableError(f"device-direct option devices must be device names like mlx5_0,mlx5_1, got "
+                                     f"{value!r} (BIMETAL_DD_DEVICES)")
+    cleaned = tuple(n.strip() for n in names)
+    if cleaned in ((), ("",)):
+        return ()
+    if not all(cleaned):
+        raise EngineUnavailableError(f"device-direct option devices has an empty name in {value!r}; write names "
+                                     "separated by commas, like mlx5_0,mlx5_1 (BIMETAL_DD_DEVICES)")
+    return cleaned
 
 
 def _integer(name: str, value: Any, least: int = 1, most: int | None = None) -> int:

@@ -1,8 +1,11 @@
 """``bimetal_device_direct``: the process group whose point-to-point data moves by one-sided engine writes.
 
 The training thread only enqueues (``send``/``recv`` return a Work at once); the proxy thread (``proxy.py``)
-owns the engine. Endpoint metadata, receive-pool addresses and the control-channel address are exchanged over
-the group's store as JSON, validated field by field; then the proxies open their control connections.
+owns the engine. Endpoint metadata, receive-pool addresses, the control-channel address, the host and the fabric
+are exchanged over the group's store as JSON, validated field by field; then the proxies open their control
+connections and every rank writes once to every peer through the engine (``probe.py``): the ranks agree on the
+outcome over the store, and a failure anywhere raises ``ProbeFailedError`` on every rank (the creator applies the
+fallback policy to it).
 Pipeline parallelism needs send/recv/isend/irecv/batch_isend_irecv; the few collectives the trainer runs on a
 pp group (loss broadcast, grad-norm all-reduce, barrier) are built from the same point-to-point messages with
 reserved tags.
@@ -20,11 +23,13 @@ import torch
 import torch.distributed as dist
 
 from bimetal.comm.base import BimetalProcessGroup, OpRecord, TransportError, completed_work, make_work
-from bimetal.comm.device_direct.engine import Engine
+from bimetal.comm.device_direct.engine import Engine, verbs_devices
 from bimetal.comm.device_direct.notes import check_record
 from bimetal.comm.device_direct.options import DeviceDirectSettings
+from bimetal.comm.device_direct.probe import PROBE_BYTES, PROBE_S, ProbeFailedError, Side, local_fabric, probe_peers
 from bimetal.comm.device_direct.proxy import Proxy
 from bimetal.topology import store_exchange
+from bimetal.topology.exchange import host_identity
 
 _BCAST_TAG, _REDUCE_TAG, _BARRIER_TAG = -1, -2, -3  # user tags are >= 0, so collectives never steal a message
 _REDUCE = {dist.ReduceOp.SUM: torch.Tensor.add_, dist.ReduceOp.AVG: torch.Tensor.add_,
@@ -50,13 +55,15 @@ class DeviceDirectProcessGroup(BimetalProcessGroup):
         super().__init__(rank, size, timeout, global_ranks)
         self.engine_name, self.protocol = engine.name, engine.protocol
         self.proxy = Proxy(engine, rank, self.global_ranks, opts.chunk_bytes, opts.slots, opts.window,
-                           timeout.total_seconds(), device, opts.inline_bytes, opts.host)
+                           timeout.total_seconds(), device, opts.inline_bytes, opts.host, opts.reg_cache_bytes)
         peers = [p for p in range(size) if p != rank]
         pools = {str(p): self.proxy.add_peer(p) for p in peers}
+        me = Side(self.global_ranks[rank], host_identity(),
+                  local_fabric(engine.protocol, opts.devices, verbs_devices() if engine.protocol != "tcp" else []))
         _publish(store, rank, {"ok": True, "endpoint": engine.endpoint(), "pools": pools,
                                "chunk_bytes": opts.chunk_bytes, "slots": opts.slots, "inline": opts.inline_bytes,
-                               "control": self.proxy.control.address})
-        controls = {}
+                               "control": self.proxy.control.address, "host": me.host, "fabric": me.fabric})
+        controls, sides = {}, {}
         for p in peers:
             record = _read(store, p)
             if not record["ok"]:
@@ -71,12 +78,34 @@ class DeviceDirectProcessGroup(BimetalProcessGroup):
                 raise TransportError(f"group rank {p} published no receive pool for group rank {rank}")
             self.proxy.connect(p, record["endpoint"], record["pools"][str(rank)])
             controls[p] = record["control"]
+            sides[p] = (Side(self.global_ranks[p], record["host"], record["fabric"]), record["pools"][str(rank)])
         self.proxy.control.connect(controls, timeout.total_seconds())
+        self._probe(store, rank, size, me, sides, min(PROBE_S, timeout.total_seconds()))
         self.proxy.start()
         # backstop: the proxy never outlives the group, not even when nobody calls destroy_process_group
         self._finalizer = weakref.finalize(self, Proxy.close, self.proxy)
         atexit.register(self._finalizer)
         self._lock = threading.Lock()
+
+    def _probe(self, store: dist.Store, rank: int, size: int, me: Side, sides: dict[int, tuple[Side, int]],
+               deadline_s: float) -> None:
+        """One write to every peer, then every rank learns every outcome; any failure fails all (same sentence)."""
+        pools = self.proxy.transfers.pools
+        failure = probe_peers(self.proxy.engine, me, sides, {p: pools[p].data_ptr() for p in sides}, deadline_s,
+                              min(PROBE_BYTES, self.proxy.chunk * self.proxy.nslots))
+        outcomes: list[str] = store_exchange.exchange(store, "bimetal_dd_probe", rank, failure or "ok", range(size))
+        failed = next((why for why in outcomes if why != "ok"), None)
+        if failed is not None:
+            self.proxy.close()
+            raise ProbeFailedError(failed)
+
+    def device_report(self) -> dict[str, str]:
+        """Where each buffer, stream and registration of the group is: buffer name -> device, and the location
+        names the engine was given (the GPU check's row; all should be this rank's device)."""
+        report = dict(self.proxy.transfers.registrations.buffers)
+        report["copy stream"] = str(self.proxy.transfers.stream_device)
+        report["engine locations"] = ",".join(sorted(self.proxy.transfers.registrations.locations))
+        return report
 
     # -- point to point -----------------------------------------------------------------------------------
 

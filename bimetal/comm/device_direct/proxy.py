@@ -35,7 +35,7 @@ from bimetal.comm.base import TransportError, TransportTimeout
 from bimetal.comm.device_direct.control import ControlChannel
 from bimetal.comm.device_direct.engine import Engine, PeerFailedError
 from bimetal.comm.device_direct.notes import BadNote, check_note
-from bimetal.comm.device_direct.ops import Counters, Op, location, ready_event
+from bimetal.comm.device_direct.ops import Counters, Op, ready_event
 from bimetal.comm.device_direct.transfers import Transfers
 
 log = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ class Proxy:
 
     def __init__(self, engine: Engine, rank: int, global_ranks: list[int], chunk: int = 4 << 20, slots: int = 8,
                  window: int = 16, timeout: float = 300.0, device: torch.device | None = None,
-                 inline: int = 16 << 10, host: str = "127.0.0.1") -> None:
+                 inline: int = 16 << 10, host: str = "127.0.0.1", reg_cache_bytes: int = 4 << 30) -> None:
         self.engine, self.rank, self.global_ranks = engine, rank, global_ranks
         self.chunk, self.nslots, self.timeout = chunk, slots, timeout
         self.inline = min(inline, chunk)
@@ -55,7 +55,7 @@ class Proxy:
         self.control = ControlChannel(host, rank, self.inline)  # publish .address; connect before start()
         self._lock = threading.Lock()  # sequence numbers and control sends: the caller's thread sends inline notes
         self.transfers = Transfers(engine, self.control, self._lock, chunk, slots, window, self.device,
-                                   self._peer_name)
+                                   self._peer_name, reg_cache_bytes)
         self._ops: queue.Queue[Op | None] = queue.Queue()
         self._next_seq: dict[tuple[str, int, int], int] = collections.defaultdict(int)
         self._last_probe = 0.0
@@ -73,9 +73,11 @@ class Proxy:
     # -- set-up and API (training thread) -----------------------------------------------------------------
 
     def add_peer(self, peer: int) -> int:
-        """Allocate and register our receive slots for ``peer``; returns their address (publish it)."""
-        pool = torch.empty(self.chunk * self.nslots, dtype=torch.uint8, device=self.device)
-        self.engine.register(pool.data_ptr(), pool.numel(), location(pool))
+        """Allocate and register (once, for the group's life) our receive slots for ``peer``; returns their
+        address (publish it)."""
+        # zeros, not empty: the pages are touched here, so the NUMA node of a host pool is known when it is named
+        pool = torch.zeros(self.chunk * self.nslots, dtype=torch.uint8, device=self.device)
+        self.transfers.registrations.fixed(f"receive slots for group rank {peer}", pool)
         self.transfers.pools[peer] = pool
         return pool.data_ptr()
 
@@ -128,8 +130,7 @@ class Proxy:
         self.control.close()  # flushes the notes of completed sends first
         for sock in (self._wake_r, self._wake_w):
             sock.close()
-        for pool in self.transfers.pools.values():
-            self.engine.unregister(pool.data_ptr())
+        self.transfers.registrations.close()
         self.transfers.pools.clear()
         self.engine.close()
 

@@ -16,6 +16,11 @@ Chosen by size (both sides agree on the rendezvous one, which depends on the siz
   the user's tensor directly: no copy at all. A sender that waits long for ``rtr`` sends ``rts`` with its
   size, so a size mismatch fails both sides with the sizes named instead of timing out.
 
+Memory is registered through ``Registrations`` (``registrations.py``), never per message: the receive slots once,
+a rendezvous receive's tensor once per storage (cached); on engines that need a registered source (RDMA) a send
+from memory nobody registered is copied, chunk by chunk, into a registered ``SendPool`` buffer and written from
+there.
+
 Messages between a pair are matched in order per tag by a sequence number. ``Transfers`` holds the ops in
 flight and the notes waiting for them; everything here runs on the proxy thread, except ``send_inline``, which
 the caller's thread runs under the proxy's lock.
@@ -35,8 +40,9 @@ from bimetal.comm.device_direct.control import ControlChannel
 from bimetal.comm.device_direct.credits import Credits
 from bimetal.comm.device_direct.engine import Engine, PeerFailedError, WriteStatus
 from bimetal.comm.device_direct.notes import Note
-from bimetal.comm.device_direct.ops import Counters, Op, OpState, location
+from bimetal.comm.device_direct.ops import Counters, Op, OpState
 from bimetal.comm.device_direct.pacing import Pacer
+from bimetal.comm.device_direct.registrations import Registrations, SendPool
 
 RTS_AFTER_S = 1.0  # a rendezvous sender without rtr this long tells its size (size-mismatch diagnosis)
 
@@ -45,12 +51,18 @@ class Transfers:
     """Ops in flight on one group and the protocol steps that move them (see the module docstring)."""
 
     def __init__(self, engine: Engine, control: ControlChannel, lock: threading.Lock, chunk: int, slots: int,
-                 window: int, device: torch.device, peer_name: Callable[[int], str]) -> None:
+                 window: int, device: torch.device, peer_name: Callable[[int], str], reg_cache_bytes: int = 4 << 30
+                 ) -> None:
         self.engine, self.control, self._lock = engine, control, lock
         self.chunk, self.window, self.peer_name = chunk, window, peer_name
         self.credits = Credits(slots)
         self.pacer = Pacer()
         self.counters = Counters()
+        self.registrations = Registrations(engine, self.counters, reg_cache_bytes)
+        # RDMA reads only registered memory: sends from anything else go through this pool (one buffer per write
+        # in flight); Mooncake's TCP transport reads any memory, so it needs none
+        self.send_pool = SendPool(window, chunk, device, self.registrations) \
+            if engine.needs_source_registration else None
         self.pools: dict[int, torch.Tensor] = {}  # peer -> our receive slots for it
         self.remote: dict[int, int] = {}  # peer -> address of that peer's slot pool for us
         self.sends: list[Op] = []
@@ -59,6 +71,7 @@ class Transfers:
         self.rtr: dict[tuple[int, int, int], Note] = {}  # rtr/nack notes for sends not (yet) ready
         self.dead: dict[int, str] = {}  # peer -> why it failed
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.stream_device = self._stream.device if self._stream is not None else torch.device("cpu")
 
     def rendezvous(self, nbytes: int) -> bool:
         # the one choice both sides must make alike, so it depends on the size alone
@@ -78,7 +91,7 @@ class Transfers:
         elif note.kind == "fin":
             recv = self.recvs.pop(key, None)
             if recv is not None:
-                self.engine.unregister(recv.flat.data_ptr())
+                self._release(recv)
                 if self.engine.protocol == "tcp" and recv.flat.device.type != "cpu":
                     self.counters.engine_bounce(recv.flat.numel())  # bounced through the host inside the engine
                 self.counters.received_bytes += recv.flat.numel()
@@ -132,6 +145,8 @@ class Transfers:
         if op.state is OpState.NEW:
             if op.ready is not None and not op.ready.query():
                 return False
+            if self.send_pool is not None:  # already registered (it received earlier)? then written in place
+                op.region = self.registrations.lookup(op.flat)
             if self.rendezvous(op.flat.numel()):
                 op.state, op.since = OpState.WAIT_RTR, time.monotonic()
             else:  # (inline sends never get here: the caller's thread sent them)
@@ -149,38 +164,62 @@ class Transfers:
                 return True
             op.state, op.addr = OpState.WRITING, note.addr
         if op.state is OpState.EAGER:
-            slot = self.credits.take(op.peer)
-            if slot is None:
-                return False
-            op.slot = slot
-            remote = self.remote[op.peer] + op.slot * self.chunk
-            op.pending.append((self._post(op, remote, 0, op.flat.numel()), op.flat.numel()))
+            if op.slot < 0:
+                slot = self.credits.take(op.peer)
+                if slot is None:
+                    return False
+                op.slot = slot
+            if not self._post(op, self.remote[op.peer] + op.slot * self.chunk, 0, op.flat.numel()):
+                return False  # (keeps its credit until a send-pool buffer is free)
             op.state = OpState.EAGER_WRITING
         if op.state is OpState.WRITING:
             while len(op.pending) < self.window and op.off < op.flat.numel():
                 n = min(self.chunk, op.flat.numel() - op.off)
-                op.pending.append((self._post(op, op.addr + op.off, op.off, n), n))
+                if not self._post(op, op.addr + op.off, op.off, n):
+                    break
                 op.off += n
         if op.state in (OpState.WRITING, OpState.EAGER_WRITING):
             return self._poll_send(op)
         return False
 
-    def _post(self, op: Op, remote: int, off: int, n: int) -> int:
+    def _post(self, op: Op, remote: int, off: int, n: int) -> bool:
+        """Post the write of ``op``'s bytes ``off:off+n``; False when it must wait for a send-pool buffer."""
+        buf = -1
+        if self.send_pool is None or op.region is not None:
+            local = op.flat.data_ptr() + off  # the engine reads the user's memory itself
+        else:
+            free = self.send_pool.take()
+            if free is None:
+                return False
+            buf = free
+            staged = self.send_pool.view(buf, n)
+            self._copy(staged, op.flat[off:off + n])
+            self.counters.send_copy_bytes += n
+            if staged.device.type == "cpu" and op.flat.device.type != "cpu":
+                self.counters.staged_bytes += n  # a host pool fed from GPU memory is host staging: say so
+            local = staged.data_ptr()
         if not any(o.pending for o in self.sends if o.peer == op.peer):
             self.pacer.busy(op.peer)
-        local = op.flat.data_ptr() + off
-        if self.engine.needs_source_registration and off == 0:
-            self.engine.register(op.flat.data_ptr(), op.flat.numel(), location(op.flat))
-        return self.engine.post_write(op.peer, local, remote, n)
+        try:
+            handle = self.engine.post_write(op.peer, local, remote, n)
+        except BaseException:
+            if buf >= 0:
+                self.send_pool.give(buf)  # type: ignore[union-attr]
+            raise
+        op.pending.append((handle, n, buf))
+        return True
 
     def _poll_send(self, op: Op) -> bool:
         busy, still = False, []
-        for handle, n in op.pending:
+        for i, (handle, n, buf) in enumerate(op.pending):
             status = self.engine.poll(handle)
             if status is WriteStatus.PENDING:
-                still.append((handle, n))
+                still.append((handle, n, buf))
                 continue
+            if buf >= 0:
+                self.send_pool.give(buf)  # type: ignore[union-attr]
             if status is WriteStatus.FAILED:
+                op.pending = still + op.pending[i + 1:]  # (their pool buffers go back when the op fails)
                 raise PeerFailedError(f"a {n}-byte write to it did not complete")
             self._count(op.flat, n)
             self.pacer.completed(op.peer, n)
@@ -192,8 +231,7 @@ class Transfers:
                 self.notify(op.peer, "eager", tag=op.tag, seq=op.seq, slot=op.slot, n=op.flat.numel())
             else:
                 self.notify(op.peer, "fin", tag=op.tag, seq=op.seq)
-            if self.engine.needs_source_registration:
-                self.engine.unregister(op.flat.data_ptr())
+            self._release(op)
             self.sends.remove(op)
             op.fut.set_result(None)
         return busy or done
@@ -213,7 +251,7 @@ class Transfers:
             if op.ready is not None and not op.ready.query():
                 return False
             if self.rendezvous(op.flat.numel()):  # receiver first: advertise the user's tensor right away
-                self.engine.register(op.flat.data_ptr(), op.flat.numel(), location(op.flat))
+                op.region = self.registrations.acquire(op.flat)  # registered once per storage, then cached
                 op.state = OpState.RTR
                 self.notify(op.peer, "rtr", tag=op.tag, seq=op.seq, n=op.flat.numel(), addr=op.flat.data_ptr())
                 busy = True
@@ -278,7 +316,16 @@ class Transfers:
             self.sends.remove(op)
         if self.recvs.get(op.key) is op:
             del self.recvs[op.key]
-        if op.kind == "recv" and op.state is OpState.RTR:
-            self.engine.unregister(op.flat.data_ptr())
+        for _, _, buf in op.pending:
+            if buf >= 0:
+                self.send_pool.give(buf)  # type: ignore[union-attr]
+        op.pending = []
+        self._release(op)
         if not op.fut.done():
             op.fut.set_exception(exc)
+
+    def _release(self, op: Op) -> None:
+        """``op`` no longer uses the registration of its tensor (which stays cached)."""
+        if op.region is not None:
+            self.registrations.release(op.region)
+            op.region = None

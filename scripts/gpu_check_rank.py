@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -136,6 +137,53 @@ def send_recv(g: Any, t: torch.Tensor, rank: int) -> Callable[[], None]:
     return run
 
 
+DD_CHECKS = ("device-direct tcp on device memory", "device-direct buffers on the rank's device",
+             "device-direct registrations after warm-up")
+
+
+def device_direct_rows(dev: torch.device, rank: int) -> list[dict]:
+    """The device-direct rows (``DD_CHECKS``), each rank's half; a failure is a failing row on all three."""
+    try:
+        dd = dist.new_group(backend="bimetal_device_direct", pg_options={"host": "127.0.0.1", "protocol": "tcp"})
+        msg = data(4 * MiB // 4, torch.float32, 90).to(dev)
+        into = torch.empty_like(msg)
+        send_recv(dd, msg if rank == 0 else into, rank)()
+        st = dd.comm_stats()  # type: ignore[attr-defined]
+        # Mooncake's TCP transport has no GPU path: it copies device memory through host buffers inside the
+        # engine, which the group counts as staged (bytes_engine_bounced). Judged: the data, and that bimetal
+        # itself staged nothing on top of the engine's bounce.
+        own = st["bytes_staged"] - st["bytes_engine_bounced"]
+        same = rank == 0 or torch.equal(into.cpu(), msg.cpu())
+        rows = [{"check": DD_CHECKS[0], "pass": same and own == 0,
+                 "value": ("sent" if rank == 0 else f"data {'bit-identical' if same else 'DIFFERENT'}")
+                          + f", {own} bytes staged by bimetal, {st['bytes_engine_bounced'] / MiB:.1f} MiB "
+                            "through host inside Mooncake's TCP engine"}]
+        # every buffer and stream of the group on this rank's device, and the engine told so in its own names
+        # (cuda:N, hip:N on the ROCm build, cpu:<NUMA node> for host memory)
+        report = dd.device_report()  # type: ignore[attr-defined]
+        names = [n for n in report.pop("engine locations").split(",") if n]
+        if dev.type == "cuda":
+            want = re.compile(rf"{'hip' if torch.version.hip else 'cuda'}:{dev.index or 0}")
+        else:
+            want = re.compile(r"cpu:\d+|\*")
+        places = sorted(set(report.values()))
+        ok = places == [str(dev)] and bool(names) and all(want.fullmatch(n) for n in names)
+        rows.append({"check": DD_CHECKS[1], "pass": ok,
+                     "value": f"{len(report)} buffers/streams on {', '.join(places)}; engine told {', '.join(names)}"})
+        # memory registered once: rendezvous messages into one reused buffer, fresh tensors sent
+        inbox = torch.empty(5 * MiB // 4, device=dev)
+        counts = []
+        for k in range(11):
+            out = data(5 * MiB // 4, torch.float32, 100 + k).to(dev) if rank == 0 else inbox
+            send_recv(dd, out, rank)()
+            counts.append(dd.comm_stats()["engine_registrations"])  # type: ignore[attr-defined]
+        rows.append({"check": DD_CHECKS[2], "pass": counts[0] == counts[-1],
+                     "value": f"{counts[0]} after the first 5 MiB message, {counts[-1]} after 10 more"})
+        return rows
+    except Exception as exc:  # rows, not a crash: the table still prints
+        return [error_row(check, exc) for check in DD_CHECKS]
+
+
 def main() -> None:
     out_dir, device, bw_mib, ov_mib = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     dev = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
@@ -206,24 +254,9 @@ def main() -> None:
     rows.append({"check": "pool allocations after warm-up", "pass": after == before,
                  "value": f"{before} slabs after warm-up, {after} after 20 more rounds"})
 
-    # 5. device-direct on device memory over Mooncake's TCP protocol: nothing staged
-    try:
-        dd = dist.new_group(backend="bimetal_device_direct", pg_options={"host": "127.0.0.1", "protocol": "tcp"})
-        msg = data(4 * MiB // 4, torch.float32, 90).to(dev)
-        into = torch.empty_like(msg)
-        send_recv(dd, msg if rank == 0 else into, rank)()
-        st = dd.comm_stats()  # type: ignore[attr-defined]
-        # Mooncake's TCP transport has no GPU path: it copies device memory through host buffers inside the
-        # engine, which the group counts as staged (bytes_engine_bounced). Judged: the data, and that bimetal
-        # itself staged nothing on top of the engine's bounce.
-        own = st["bytes_staged"] - st["bytes_engine_bounced"]
-        same = rank == 0 or torch.equal(into.cpu(), msg.cpu())
-        rows.append({"check": "device-direct tcp on device memory", "pass": same and own == 0,
-                     "value": ("sent" if rank == 0 else f"data {'bit-identical' if same else 'DIFFERENT'}")
-                              + f", {own} bytes staged by bimetal, {st['bytes_engine_bounced'] / MiB:.1f} MiB "
-                                "through host inside Mooncake's TCP engine"})
-    except Exception as exc:  # a row, not a crash: the table still prints
-        rows.append(error_row("device-direct tcp on device memory", exc))
+    # 5. device-direct on device memory over Mooncake's TCP protocol: nothing staged, every buffer on this
+    # rank's device, memory registered once
+    rows += device_direct_rows(dev, rank)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(rows, f)
     dist.barrier()

@@ -29,6 +29,10 @@ def test_gpu_check_runs_end_to_end_in_cpu_mode(tmp_path: Path) -> None:
     assert rows["cf staged through the pool"]["pass"] is True
     assert rows["pool allocations after warm-up"]["pass"] is True
     assert rows["device-direct tcp on device memory"]["pass"] is True
+    # where every device-direct buffer is and what the engine was told, and registrations made once
+    where = rows["device-direct buffers on the rank's device"]
+    assert where["pass"] is True and "on cpu;" in where["value"] and "engine told cpu:" in where["value"], where
+    assert rows["device-direct registrations after warm-up"]["pass"] is True
     train = next(r for name, r in rows.items() if name.startswith("demo trainer"))
     assert train["pass"] is True and "loss" in train["value"]
     assert any(name.startswith("bandwidth") for name in rows) and any(name.startswith("overlap") for name in rows)

@@ -123,12 +123,14 @@ def test_simulate_without_config_chooses_the_layout_and_trains_as_one_job(tmp_pa
 
 
 def test_an_error_only_a_rank_sees_is_one_sentence_from_the_launcher(tmp_path: Path) -> None:
-    # the RDMA protocol without a verbs device is found by the ranks when they start their engines
+    # an RDMA device that this host does not have is found by the ranks when they start their engines
     run_dir = tmp_path / "run"
     proc = _run(["train", "--simulate", "nvidia:1,amd:1", "--parallel.pp_transport=device-direct", "--training.steps=2",
                  *TINY, f"--metrics.run_dir={run_dir}"],
-                clean_env(BIMETAL_DD_PROTOCOL="rdma", BIMETAL_DD_FALLBACK="error"))
+                clean_env(BIMETAL_DD_PROTOCOL="rdma", BIMETAL_DD_FALLBACK="error", BIMETAL_DD_DEVICES="mlx5_9"))
     _one_sentence(proc, "the device-direct engine could not start")
+    assert "BIMETAL_DD_DEVICES (or the devices option) names mlx5_9, which is not an RDMA device of this host" \
+        in proc.stderr, proc.stderr
     assert not run_dir.exists(), sorted(run_dir.rglob("*"))
 
 

@@ -39,15 +39,23 @@ BUILDS = {
 _BY_WHEEL = {b.wheel: name for name, b in BUILDS.items()}
 
 
+_OTHER_WHEELS = ("mooncake-transfer-engine-efa", "mooncake-transfer-engine-efa-cuda13",
+                 "mooncake-transfer-engine-efa-non-cuda", "mooncake-transfer-engine-musa",
+                 "mooncake-transfer-engine-npu")
+"""Mooncake's other published builds: they install ``mooncake/`` too (its build script renames one package)."""
+
+
 def installed_engines() -> list[tuple[str, str]]:
-    """(distribution, version) of every installed distribution that provides the ``mooncake`` package."""
-    names = sorted(set(metadata.packages_distributions().get("mooncake", [])))
+    """(distribution, version) of every installed Mooncake engine wheel (each provides the ``mooncake`` package).
+
+    Looked up by their published names, a few milliseconds; ``metadata.packages_distributions()`` would read
+    every installed package's file list (0.3-0.6 s per group here)."""
     out = []
-    for name in names:
+    for name in (*(b.wheel for b in BUILDS.values()), *_OTHER_WHEELS):
         try:
             out.append((name, metadata.version(name)))
         except metadata.PackageNotFoundError:
-            out.append((name, "?"))
+            continue
     return out
 
 

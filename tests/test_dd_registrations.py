@@ -107,6 +107,12 @@ def test_the_cache_is_bounded_by_bytes_and_follows_its_storages() -> None:
     gc.collect()
     assert regs.lookup(ts[2]) is not None
     assert gone not in engine.regions and not engine.violations
+    # a storage resized away from its registered memory gets its new memory registered, not the old range
+    old = ts[2].data_ptr()
+    ts[2].untyped_storage().resize_(8 << 20)
+    fresh = regs.acquire(ts[2])
+    assert fresh.start == ts[2].data_ptr() != old and not engine.violations  # (bigger than the bound: one-off)
+    regs.release(fresh)
     assert counters.registrations == len(engine.registrations) and counters.unregistrations == len(
         engine.unregistrations)
     regs.close()

@@ -132,8 +132,11 @@ class Registrations:
         region = self._cache.get(key)
         if region is None:
             return None
-        if region.storage is None or region.storage() is None:
-            self._drop(key)  # its storage was freed and the address handed out again: that registration is stale
+        held = region.storage() if region.storage is not None else None
+        if held is None or held.data_ptr() != region.start or held.nbytes() < region.nbytes:
+            # its storage was freed (or resized away) and the address handed out again: the registration is stale
+            if region.pins == 0:
+                self._drop(key)
             return None
         # (a live storage at the same address is the same memory, e.g. two storages aliasing one allocation)
         return region if region.covers(flat.data_ptr(), flat.numel()) else None

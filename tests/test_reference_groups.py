@@ -91,6 +91,7 @@ def test_ideal_group_keeps_the_order_and_moves_no_activation_bytes() -> None:
                 pg.send([torch.full(shape, float(k))], 1, 0).wait()
             got = torch.empty(4, 4)
             pg.recv([got], 1, 0).wait()  # the gradient coming back
+            pg.send([torch.arange(5)], 1, 0).wait()  # metadata (an int64 tensor) crosses for real
             seen[0] = (list(wire.sent), list(wire.received), pg.elided_bytes, got)
         else:
             bufs = [torch.full(shape, float("nan")) for shape in SIZES]
@@ -100,14 +101,18 @@ def test_ideal_group_keeps_the_order_and_moves_no_activation_bytes() -> None:
             for w in works[1:]:
                 w.wait()
             pg.send([torch.ones(4, 4)], 0, 0).wait()
+            meta = torch.zeros(5, dtype=torch.int64)
+            pg.recv([meta], 0, 0).wait()
+            assert torch.equal(meta, torch.arange(5))
             seen[1] = (list(wire.sent), list(wire.received), order_ok, bufs)
 
     _pair(IdealBoundaryGroup, body)
     sent0, received0, elided, grad = seen[0]
     sent1, received1, order_ok, bufs = seen[1]
     payload = sum(torch.Size(s).numel() * 4 for s in SIZES)
-    assert sent0 == [TOKEN_BYTES] * len(SIZES) and received0 == [TOKEN_BYTES]  # tokens only, one per message
-    assert sent1 == [TOKEN_BYTES] and received1 == [TOKEN_BYTES] * len(SIZES)
+    # floating-point payloads: a token per message, nothing else; the int64 metadata: its 40 bytes
+    assert sent0 == [TOKEN_BYTES] * len(SIZES) + [40] and received0 == [TOKEN_BYTES]
+    assert sent1 == [TOKEN_BYTES] and received1 == [TOKEN_BYTES] * len(SIZES) + [40]
     assert elided == payload  # what a real link would have carried
     assert order_ok, "a receive completed before its send was posted"
     for k, b in enumerate(bufs):  # filled with the stand-in pattern, not the sender's value k

@@ -5,15 +5,18 @@
   and copies the result back when the caller waits: what a job that only has Gloo for a cross-vendor group
   must do by hand, since Gloo's point-to-point takes only CPU tensors. Nothing is chunked or overlapped.
   CPU tensors are copied too (a memcpy), so that ``--cpu`` runs take the same path.
-* ``bimetal_ideal`` (``IdealBoundaryGroup``): a perfect link for point-to-point traffic. A send moves no
-  payload: it sends a 24-byte token (sequence number, element count, dtype) over Gloo, and the receiver,
+* ``bimetal_ideal`` (``IdealBoundaryGroup``): a perfect link for the activations a pipeline boundary carries. A
+  send of a floating-point tensor moves no payload: it sends a 24-byte token (sequence number, element count,
+  dtype) over Gloo, and the receiver,
   once the token has arrived, fills its buffer on the device with a deterministic pseudo-random normal
   pattern. So the pipeline schedule's order and its blocking are real (a receive waits for the matching send
   to be posted, and a token that does not match the receive's size, dtype or turn fails the receive in one
   sentence), but no activation byte crosses: the time is what a link of infinite bandwidth and Gloo's small-
   message latency gives. What the receiver computes on is that pattern, not the sender's data, so the loss
   of a pipeline over this group means nothing; only its timing does. Collectives (the loss broadcast, the
-  gradient-norm all-reduce: a few bytes per step) are real, as in ``HostCopyGroup``.
+  gradient-norm all-reduce: a few bytes per step) are real, as in ``HostCopyGroup``, and so are integer and
+  byte messages (the pipeline stage's set-up metadata: pickled objects and their sizes), which the stages
+  must read.
 
 NCCL refuses two ranks on one GPU, so on one GPU this is the homogeneous reference of ``bimetal bench
 gpu-ladder``. Both are registered by ``bimetal.comm.registry``; neither is a transport users choose for
@@ -125,6 +128,8 @@ class IdealBoundaryGroup(HostCopyGroup):
 
     def _do_send(self, op: OpRecord, tensors: list[torch.Tensor], dst: int, tag: int) -> dist.Work:
         (t,) = tensors
+        if not t.is_floating_point():  # metadata the peer reads: moved for real
+            return super()._do_send(op, tensors, dst, tag)
         turn = self._sent.get(dst, 0)
         self._sent[dst] = turn + 1
         token = torch.tensor([turn, t.numel(), _DTYPES.index(t.dtype)], dtype=torch.int64)
@@ -134,6 +139,8 @@ class IdealBoundaryGroup(HostCopyGroup):
 
     def _do_recv(self, op: OpRecord, tensors: list[torch.Tensor], src: int, tag: int) -> dist.Work:
         (t,) = tensors
+        if not t.is_floating_point():
+            return super()._do_recv(op, tensors, src, tag)
         turn = self._received.get(src, 0)
         self._received[src] = turn + 1
         token = torch.empty(3, dtype=torch.int64)
@@ -153,9 +160,6 @@ class IdealBoundaryGroup(HostCopyGroup):
         """The receiver's stand-in for the data: N(0, 1) from a generator of this rank on ``t``'s device (enqueued
         on the caller's current stream, so whatever reads ``t`` next is ordered after it)."""
         with torch.no_grad():
-            if not t.is_floating_point():
-                t.zero_()
-                return
             gen = self._generators.get(t.device)
             if gen is None:
                 gen = self._generators[t.device] = torch.Generator(device=t.device).manual_seed(

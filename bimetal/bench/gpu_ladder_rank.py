@@ -17,6 +17,7 @@ Writes ``rank<R>.json`` next to ``settings.json`` (and the thread profiles with 
 
 from __future__ import annotations
 
+import gc
 import json
 import statistics
 import sys
@@ -207,6 +208,7 @@ class Rank:
         model = self.whole if key == "a" else self.model
         group = self.groups.get(key)
         self._reset(model)
+        mem0 = self._mem_start(model)  # before the runner: its buffers belong to this run
         opt = build_optimizer(model, self.cfg.optim)
         stream = TokenStream(self.tokens, s["seq"], s["mb_size"] * s["microbatches"], seed=s["seed"],
                              vocab_size=self.args.vocab_size)
@@ -221,7 +223,6 @@ class Rank:
                                     ids if self.stage == 0 else hidden, logits if self.last else hidden,
                                     autocast_dtype=self.amp)
             del logits
-        mem0 = self._mem_start(model)
         wire0 = _wire_bytes(group)
         times, losses, sent = [], [], []
         prof = None
@@ -261,6 +262,7 @@ class Rank:
             res["profile"] = prof.stop(steps=s["steps"])
         res.update(self._mem_end(mem0))
         del runner, opt
+        gc.collect()  # a pipeline stage and its schedule hold each other: free their buffers now, not later
         model.zero_grad(set_to_none=True)
         if key == "a":
             dist.barrier()  # release rank 1
@@ -299,6 +301,17 @@ def _wire_bytes(group: Any) -> int:
     return int(stats.get("bytes_sent", 0))
 
 
+def write(r: Rank, calib: dict[str, Any], runs: list[dict[str, Any]], profiles: list[dict[str, Any]],
+          partial: bool = False) -> None:
+    """``rank<R>.json``: this rank's records so far (``partial`` until the last round and the profiles are in)."""
+    report = {"rank": r.rank, "device": torch.cuda.get_device_name(r.dev) if r.dev.type == "cuda" else "cpu",
+              "torch": torch.__version__, "phases": r.phases, "calibration": calib, "broken": r.broken,
+              "runs": runs, "profiles": profiles, "partial": partial}
+    tmp = r.out / f"rank{r.rank}.json.tmp"
+    tmp.write_text(json.dumps(report))
+    tmp.replace(r.out / f"rank{r.rank}.json")
+
+
 def main(argv: list[str]) -> int:
     path = Path(argv[0])
     s = json.loads(path.read_text())
@@ -321,6 +334,7 @@ def main(argv: list[str]) -> int:
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)
             if bad.item():
                 failed.add(key)
+        write(r, calib, runs, [], partial=True)  # what a run killed at its time limit still reports
     r.phases["rounds_s"] = round(time.perf_counter() - t0, 2)
     t0 = time.perf_counter()
     profiles = []
@@ -328,10 +342,8 @@ def main(argv: list[str]) -> int:
         if key not in failed:
             res = r.run(key, -1, profile=True)
             profiles.append({"config": key, "profile": res.get("profile"), "error": res.get("error")})
-    report = {"rank": r.rank, "device": torch.cuda.get_device_name(r.dev) if r.dev.type == "cuda" else "cpu",
-              "torch": torch.__version__, "phases": {**r.phases, "profile_s": round(time.perf_counter() - t0, 2)},
-              "calibration": calib, "broken": r.broken, "runs": runs, "profiles": profiles}
-    (r.out / f"rank{r.rank}.json").write_text(json.dumps(report))
+    r.phases["profile_s"] = round(time.perf_counter() - t0, 2)
+    write(r, calib, runs, profiles)
     dist.barrier()
     for g in r.groups.values():
         dist.destroy_process_group(g)

@@ -161,6 +161,7 @@ def build(s: dict[str, Any], ranks: list[dict[str, Any]], launch_error: str | No
             "launch_error": launch_error, "phases": [r.get("phases") for r in ranks],
             "configs": cfg, "ratios": _ratios(s, cfg, judged), "prediction": _prediction(s, ranks, cfg),
             "memory": _memory(s, cfg, judged) if judged else [], "profiles": profiles,
+            "partial": any(r.get("partial") for r in ranks),
             "ok": launch_error is None and len(ranks) == 2 and all(c["ok"] for c in cfg.values())}
 
 

@@ -78,3 +78,54 @@ def test_gpu_ladder_refuses_bad_options(tmp_path: Path) -> None:
         with pytest.raises(UserError, match=re.escape(words)):
             gpu_ladder.main(["--cpu", "--out", str(tmp_path), *args])
     assert not (tmp_path / "settings.json").exists()  # refused before any rank started
+
+
+def _records(step: dict[str, float], loss: dict[str, float]) -> list[dict]:
+    """Two ranks' records as ``gpu_ladder_rank`` writes them on a GPU, with chosen step times and losses."""
+    cal = {"fwd_s": 0.010, "bwd_s": 0.020, "boundary_bytes": 2 * 64 * 128 * 4, "d2h_s": 1e-5, "h2d_s": 1e-5,
+           "wire_s": 2e-5, "latency_s": 3e-5, "cf_message_s": 5e-5}
+    ranks = []
+    for rank in (0, 1):
+        runs = []
+        for rnd in range(2):
+            for key in "abcde":
+                if key == "a" and rank == 1:
+                    runs.append({"config": key, "round": rnd, "rank": rank, "idle": True})
+                    continue
+                t = step[key] * (1.0 + 0.01 * rnd)
+                runs.append({"config": key, "round": rnd, "rank": rank, "step_s": [9.9, t, t],
+                             "losses": [5.0, loss[key]], "sent_bytes": [0, 1000, 1000] if key != "a" else [],
+                             "wire_bytes": 2000, "peak_bytes": int(40e6 if key == "a" else 25e6), "error": None})
+        ranks.append({"rank": rank, "device": "NVIDIA H100 80GB HBM3", "torch": "2.11", "calibration": cal,
+                      "runs": runs, "profiles": []})
+    return ranks
+
+
+def test_report_judges_the_gpu_figures() -> None:
+    """The GPU path of the report, on records with known numbers: medians, exposed time, ratios against their
+    targets, losses against (a), memory rows against the dry-run, the prediction; nothing here runs a GPU."""
+    from bimetal.bench.gpu_ladder_report import build, markdown
+
+    s = dict(gpu_ladder.CPU, device="cuda", dtype="bfloat16", rounds=2, split=[2, 2], configs="abcde", profile="",
+             seed=1)
+    step = {"a": 1.00, "b": 1.02, "c": 1.10, "d": 1.30, "e": 1.50}
+    loss = {"a": 4.00, "b": 9.0, "c": 4.01, "d": 4.02, "e": 4.20}
+    rep = build(s, _records(step, loss), None, 12.0)
+    cfg, ratios = rep["configs"], rep["ratios"]
+    assert rep["ok"] and rep["mode"] == "gpu"
+    assert cfg["c"]["step_s"] == pytest.approx(1.10 * 1.005)  # the median of the two rounds' figures
+    assert cfg["c"]["exposed_s"] == pytest.approx((1.10 - 1.02) * 1.005) and cfg["b"]["exposed_s"] == 0.0
+    assert cfg["c"]["boundary_bytes"] == 2000 and cfg["c"]["wire_bytes"] == 2000  # both ranks, per timed step
+    assert ratios["c/b"]["value"] == pytest.approx(1.02 / 1.10) and ratios["c/b"]["meets"] is False  # < 0.95
+    assert ratios["c/e"]["value"] == pytest.approx(1.50 / 1.10) and ratios["c/e"]["meets"] is True  # >= 1.05
+    assert ratios["b/a"]["meets"] is None  # reported, no target
+    assert cfg["c"]["loss_within"] is True and cfg["d"]["loss_within"] is True and cfg["e"]["loss_within"] is False
+    mem = {(m["config"], m["rank"]): m for m in rep["memory"]}
+    assert set(mem) == {("a", 0)} | {(k, r) for k in "bcde" for r in (0, 1)}
+    assert mem[("c", 1)]["peak"] == 25e6 and mem[("c", 1)]["dry_run_total"] > 0
+    assert mem[("c", 1)]["within"] == (abs(25e6 / mem[("c", 1)]["dry_run_total"] - 1) <= 0.10)
+    pred = rep["prediction"]
+    base = 1.02 * 1.005
+    assert pred["exposed_s"] >= 0 and pred["c_over_b"] == pytest.approx(base / (base + pred["exposed_s"]))
+    md = markdown(rep)
+    assert "| (c)/(b) | 0.927 |" in md and "(SHORT)" in md and "(met)" in md and " OFF |" in md

@@ -176,14 +176,14 @@ class Rank:
                 dist.barrier()
                 (dist.send if self.rank == 0 else dist.recv)(t, peer)
             return run
-        out["wire_s"] = self._median_s(wire(boundary)) - self._median_s(wire(small))  # the barrier's part out
+        out["wire_s"] = max(0.0, self._median_s(wire(boundary)) - self._median_s(wire(small)))  # less the barrier
         out["latency_s"] = self._median_s(wire(small), 5) / 2
         cf = self.groups.get("c")
         if cf is not None:  # cpu-forward's own message time, to hold the prediction of it against
             def cf_send() -> None:
                 dist.barrier()
                 (dist.send if self.rank == 0 else dist.recv)(dev_t, peer, group=cf)
-            out["cf_message_s"] = self._median_s(cf_send) - self._median_s(wire(small))
+            out["cf_message_s"] = max(0.0, self._median_s(cf_send) - self._median_s(wire(small)))
         return out
 
     # --- one run of one configuration --------------------------------------------------------------------------

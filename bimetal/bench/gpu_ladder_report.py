@@ -215,10 +215,12 @@ def markdown(rep: dict[str, Any]) -> str:
                     + f"; predicted exposed {pr['exposed_s']:.3f} s/step, (c)/(b) predicted {pr['c_over_b']:.3f}, "
                     f"measured {_f(pr['c_over_b_measured'], '.3f')}"]
     if rep["memory"]:
-        out += ["", "| config | rank | dry-run GB | measured peak GB | peak / dry-run |", "|---|---|---|---|---|"]
+        out += ["", "| config | rank | dry-run GB | its terms, GB | measured peak GB | peak / dry-run |",
+                "|---|---|---|---|---|---|"]
         for m in rep["memory"]:
             verdict = {True: " ok", False: " OFF", None: ""}[m["within"]]
-            out.append(f"| ({m['config']}) | {m['rank']} | {_gb(m['dry_run_total'])} | {_gb(m['peak'])} | "
+            terms = ", ".join(f"{k} {v / 1e9:.2f}" for k, v in (m["dry_run_terms"] or {}).items() if v)
+            out.append(f"| ({m['config']}) | {m['rank']} | {_gb(m['dry_run_total'])} | {terms} | {_gb(m['peak'])} | "
                        f"{_f(m['peak_over_dry_run'], '.3f')}{verdict} |")
     if rep["profiles"]:
         out += ["", "| profiled run | rank | CPU share: training / transport / other threads | transport CPU s/step "

@@ -104,6 +104,12 @@ class Rank:
                                              group_desc=f"ladder.{key}")
             except Exception as exc:  # a row that says why, not a crash: the other configurations still run
                 broken[key] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}"
+        # both ranks skip a configuration whose group either could not build (else one would wait for the other)
+        flags = torch.tensor([float(k in broken) for k in self.s["configs"]])
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        for k, flag in zip(self.s["configs"], flags.tolist()):
+            if flag and k not in broken:
+                broken[k] = "the peer rank could not build this group (its record says why)"
         return groups, broken
 
     def _models(self) -> tuple[Any, Any]:
@@ -148,10 +154,9 @@ class Rank:
             dist.barrier()
             if turn != self.rank:
                 continue
-            with torch.no_grad():
-                out["fwd_s"] = self._median_s(lambda: local(x))
-                if self.stage == 0:  # what stage 0 hands the schedule is the boundary message
-                    esize[0] = local(x).element_size()
+            out["fwd_s"] = self._median_s(lambda: local(x))  # (autograd records as in training; freed unused)
+            if self.stage == 0:  # what stage 0 hands the schedule is the boundary message
+                esize[0] = local(x).element_size()
 
             def fwd_bwd() -> None:
                 o = local(x)
@@ -160,7 +165,7 @@ class Rank:
             out["bwd_s"] = max(0.0, out["fwd_bwd_s"] - out["fwd_s"])
             self.model.zero_grad(set_to_none=True)
         dist.broadcast(esize, 0)
-        dtype = {4: torch.float32, 2: torch.bfloat16}[int(esize.item())]
+        dtype = torch.float32 if int(esize.item()) == 4 else torch.bfloat16
         boundary = torch.zeros(mb, seq, a.dim, dtype=dtype)
         nbytes = boundary.numel() * boundary.element_size()
         out["boundary_bytes"] = nbytes
@@ -169,21 +174,18 @@ class Rank:
         out["d2h_s"] = self._median_s(lambda: host.copy_(dev_t, non_blocking=True))
         out["h2d_s"] = self._median_s(lambda: dev_t.copy_(host, non_blocking=True))
         peer = 1 - self.rank
-        small = torch.zeros(2)
 
-        def wire(t: torch.Tensor) -> Any:
+        def ping_pong(t: torch.Tensor, group: Any = None) -> Any:  # half of it: one message, one way
             def run() -> None:
-                dist.barrier()
-                (dist.send if self.rank == 0 else dist.recv)(t, peer)
+                for turn in (0, 1):
+                    (dist.send if turn == self.rank else dist.recv)(t, peer, group=group)
             return run
-        out["wire_s"] = max(0.0, self._median_s(wire(boundary)) - self._median_s(wire(small)))  # less the barrier
-        out["latency_s"] = self._median_s(wire(small), 5) / 2
+        dist.barrier()
+        out["latency_s"] = self._median_s(ping_pong(torch.zeros(2)), 5) / 2
+        out["wire_s"] = max(0.0, self._median_s(ping_pong(boundary)) / 2 - out["latency_s"])
         cf = self.groups.get("c")
-        if cf is not None:  # cpu-forward's own message time, to hold the prediction of it against
-            def cf_send() -> None:
-                dist.barrier()
-                (dist.send if self.rank == 0 else dist.recv)(dev_t, peer, group=cf)
-            out["cf_message_s"] = max(0.0, self._median_s(cf_send) - self._median_s(wire(small)))
+        if cf is not None:  # cpu-forward's own message time (device tensors), to hold the prediction against
+            out["cf_message_s"] = self._median_s(ping_pong(dev_t, cf)) / 2
         return out
 
     # --- one run of one configuration --------------------------------------------------------------------------

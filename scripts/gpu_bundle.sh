@@ -3,7 +3,8 @@
 # python3 with a CUDA torch but no network (the device machines of this workplace: Python 3.12, torch 2.11+cu130).
 # Run it here, where PyPI and Debian's archive are reachable, then carry .gpu-bundle with the tree.
 #   * wheels/  pydantic, pydantic-core, annotated-types, typing-inspection, tomli-w (requirements-lock.txt versions,
-#              CPython 3.12 manylinux);
+#              CPython 3.12 manylinux) and typing-extensions 4.16.0 (pydantic 2.14 needs >= 4.16; torch pulls it in
+#              here, so the lock file does not pin it, and the GPU image's may be older);
 #   * mooncake.tgz  the Mooncake CUDA wheel's transfer engine alone (the wheel is 98 MB, above the 64 MiB a call may
 #              carry; device-direct needs only mooncake/engine.so, the two libraries beside it and four of the
 #              wheel's bundled ones);
@@ -27,7 +28,7 @@ for name in pydantic pydantic_core annotated-types typing-inspection tomli-w; do
   [ -n "$pin" ] || { echo "gpu_bundle: $name is not pinned in requirements-lock.txt" >&2; exit 2; }
   pins+=("$pin")
 done
-"$PY" -m pip download -q "${plat[@]}" -d "$B/wheels" "${pins[@]}"
+"$PY" -m pip download -q "${plat[@]}" -d "$B/wheels" "${pins[@]}" typing-extensions==4.16.0
 "$PY" -m pip download -q "${plat[@]}" -d "$B/tmp" "mooncake-transfer-engine==$MOONCAKE" "nvidia-cuda-runtime-cu12<13"
 (
   cd "$B/tmp"

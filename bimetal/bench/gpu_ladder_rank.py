@@ -75,6 +75,8 @@ class Rank:
         self.cfg = train_config(s, 2)
         self.args = FLAVOURS["llama3"][s["flavour"]]
         self.amp = torch.bfloat16 if s["dtype"] == "bfloat16" else None
+        self.boundary_dtype = torch.float32
+        """What stage 0 hands the schedule (``calibrate`` reads it): the dtype of the pipeline's activation examples."""
         tok = build_tokenizer(self.cfg.data.tokenizer)
         self.tokens = load_tokens(self.cfg.data.path, tok, self.cfg.data.bin_dtype)
         self.phases["init_s"] = round(time.perf_counter() - t, 2)
@@ -165,8 +167,8 @@ class Rank:
             out["bwd_s"] = max(0.0, out["fwd_bwd_s"] - out["fwd_s"])
             self.model.zero_grad(set_to_none=True)
         dist.broadcast(esize, 0)
-        dtype = torch.float32 if int(esize.item()) == 4 else torch.bfloat16
-        boundary = torch.zeros(mb, seq, a.dim, dtype=dtype)
+        self.boundary_dtype = torch.float32 if int(esize.item()) == 4 else torch.bfloat16
+        boundary = torch.zeros(mb, seq, a.dim, dtype=self.boundary_dtype)
         nbytes = boundary.numel() * boundary.element_size()
         out["boundary_bytes"] = nbytes
         host = torch.empty_like(boundary, pin_memory=self.dev.type == "cuda")
@@ -218,7 +220,7 @@ class Rank:
         runner = None
         n_mb, mb, seq = s["microbatches"], s["mb_size"], s["seq"]
         if key != "a":
-            hidden = torch.zeros(mb, seq, self.args.dim, device=self.dev)
+            hidden = torch.zeros(mb, seq, self.args.dim, device=self.dev, dtype=self.boundary_dtype)
             ids = torch.zeros(mb, seq, dtype=torch.long, device=self.dev)
             logits = torch.zeros(mb, seq, self.args.vocab_size, device=self.dev)
             runner = PipelineRunner(local, self.stage, 2, group, n_mb, "1f1b", loss_fn, self.dev,

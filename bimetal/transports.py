@@ -13,6 +13,11 @@ CPU_FORWARD = "bimetal_cpu_forward"
 DEVICE_DIRECT = "bimetal_device_direct"
 SIM_NATIVE = "bimetal_sim_native"
 """The native back-end under simulation (Gloo that refuses a group mixing vendors, like NCCL/RCCL)."""
+HOST_COPY = "bimetal_host_copy"
+"""Reference boundary of the GPU ladder: copy to host, stock Gloo, copy back (``bimetal.comm.reference``)."""
+IDEAL = "bimetal_ideal"
+"""Reference boundary of the GPU ladder: the schedule's order kept, no payload moved (``bimetal.comm.reference``).
+Neither is in ``TABLE``: they measure transports, nobody trains on them."""
 
 
 @dataclass(frozen=True)

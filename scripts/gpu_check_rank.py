@@ -1,9 +1,11 @@
 """Rank program of ``scripts/gpu_check.py``: the transport rows of the GPU check, on one rank of two.
 
 Usage (under ``bimetal launch --simulate nvidia:1,amd:1``): ``python gpu_check_rank.py OUT_DIR DEVICE BW_MIB
-OVERLAP_MIB``. Both ranks use ``DEVICE`` (``cuda``: the one GPU, shared; ``cpu``: CPU tensors, with
-``BIMETAL_CF_FORCE_STAGING=1`` set by the caller so the staged code runs). Writes ``OUT_DIR/rank<r>.json``: a
-list of rows ``{"check", "pass", "value"}``; ``pass`` is None where a row is measured but not judged.
+OVERLAP_MIB DD_MIB BOTH_MIB`` (``DD_MIB``: device-direct's large message, above its 4 MiB eager limit;
+``BOTH_MIB``: each message of the traffic both ways at once). Both ranks use ``DEVICE`` (``cuda``: the one GPU,
+shared; ``cpu``: CPU tensors, with ``BIMETAL_CF_FORCE_STAGING=1`` set by the caller so the staged code runs).
+Writes ``OUT_DIR/rank<r>.json``: a list of rows ``{"check", "pass", "value"}``; ``pass`` is None where a row is
+measured but not judged.
 """
 
 from __future__ import annotations
@@ -141,8 +143,9 @@ DD_CHECKS = ("device-direct tcp on device memory", "device-direct buffers on the
              "device-direct registrations after warm-up")
 
 
-def device_direct_rows(dev: torch.device, rank: int) -> list[dict]:
-    """The device-direct rows (``DD_CHECKS``), each rank's half; a failure is a failing row on all three."""
+def device_direct_rows(dev: torch.device, rank: int) -> tuple[list[dict], Any]:
+    """The device-direct rows (``DD_CHECKS``), each rank's half, and the group (None when it could not be made or
+    failed); a failure is a failing row on all three."""
     try:
         dd = dist.new_group(backend="bimetal_device_direct", pg_options={"host": "127.0.0.1", "protocol": "tcp"})
         msg = data(4 * MiB // 4, torch.float32, 90).to(dev)
@@ -179,13 +182,48 @@ def device_direct_rows(dev: torch.device, rank: int) -> list[dict]:
             counts.append(dd.comm_stats()["engine_registrations"])  # type: ignore[attr-defined]
         rows.append({"check": DD_CHECKS[2], "pass": counts[0] == counts[-1],
                      "value": f"{counts[0]} after the first 5 MiB message, {counts[-1]} after 10 more"})
-        return rows
+        return rows, dd
     except Exception as exc:  # rows, not a crash: the table still prints
-        return [error_row(check, exc) for check in DD_CHECKS]
+        return [error_row(check, exc) for check in DD_CHECKS], None
+
+
+def both_ways(g: Any, n: int, rounds: int, dev: torch.device, rank: int) -> tuple[bool, float]:
+    """Each rank sends and receives at once (as the two stages do in steady 1F1B: activations one way, gradients
+    the other), ``rounds`` times; (every message bit-identical, seconds)."""
+    ok = True
+    dist.barrier()
+    sync(dev)
+    t0 = time.perf_counter()
+    for i in range(rounds):
+        x = data(n, torch.float32, 100 + 10 * i + rank).to(dev)
+        y = torch.empty(n, device=dev)
+        works = [dist.isend(x, 1 - rank, group=g), dist.irecv(y, 1 - rank, group=g)]
+        for w in works:
+            assert w is not None
+            w.wait()
+        ok = ok and torch.equal(y.cpu(), data(n, torch.float32, 100 + 10 * i + 1 - rank))
+    sync(dev)
+    return ok, time.perf_counter() - t0
+
+
+BOTH_ROUNDS = 4
+
+
+def both_name(transport: str, mib: int) -> str:
+    return f"{transport} both ways at once, {BOTH_ROUNDS} x {mib} MiB each way"
+
+
+def both_ways_row(name: str, g: Any, mib: int, dev: torch.device, rank: int) -> dict:
+    rounds = BOTH_ROUNDS
+    ok, took = both_ways(g, mib * MiB // 4, rounds, dev, rank)
+    return {"check": both_name(name, mib), "pass": ok,
+            "value": f"{'bit-identical' if ok else 'DIFFERENT'}, {2 * rounds * mib / 1024 / took:.2f} GiB/s both "
+                     f"directions together (not judged)"}
 
 
 def main() -> None:
     out_dir, device, bw_mib, ov_mib = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    dd_mib, both_mib = int(sys.argv[5]), int(sys.argv[6])
     dev = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
@@ -254,9 +292,44 @@ def main() -> None:
     rows.append({"check": "pool allocations after warm-up", "pass": after == before,
                  "value": f"{before} slabs after warm-up, {after} after 20 more rounds"})
 
-    # 5. device-direct on device memory over Mooncake's TCP protocol: nothing staged, every buffer on this
+    # 5. traffic both ways at once on cpu-forward (device tensors, staged), as in steady 1F1B
+    try:
+        rows.append(both_ways_row("cf", cf, both_mib, dev, rank))
+    except Exception as exc:
+        rows.append(error_row(both_name("cf", both_mib), exc))
+        dist.barrier()
+
+    # 6. device-direct on device memory over Mooncake's TCP protocol: nothing staged, every buffer on this
     # rank's device, memory registered once
-    rows += device_direct_rows(dev, rank)
+    dd_rows, dd = device_direct_rows(dev, rank)
+    rows += dd_rows
+    if dd is not None:
+        # 7. its large-message path: above the eager limit the receiver's tensor is registered and written into
+        # (rendezvous), so nothing is copied out of a landing slot
+        try:
+            msg = data(dd_mib * MiB // 4, torch.float32, 91).to(dev)
+            into = torch.zeros_like(msg)
+            landed = dd.comm_stats()["landing_copy_bytes"]  # type: ignore[attr-defined]
+            send_recv(dd, msg if rank == 0 else into, rank)()
+            landed = dd.comm_stats()["landing_copy_bytes"] - landed  # type: ignore[attr-defined]
+            same = rank == 0 or torch.equal(into.cpu(), msg.cpu())
+            rows.append({"check": f"device-direct {dd_mib} MiB (rendezvous path)", "pass": same and landed == 0,
+                         "value": ("sent" if rank == 0 else f"data {'bit-identical' if same else 'DIFFERENT'}")
+                                  + f", {landed} bytes copied from landing slots"})
+        except Exception as exc:
+            rows.append(error_row(f"device-direct {dd_mib} MiB (rendezvous path)", exc))
+            dist.barrier()
+        # 8. both ways at once on device-direct
+        try:
+            rows.append(both_ways_row("device-direct", dd, both_mib, dev, rank))
+        except Exception as exc:
+            rows.append(error_row(both_name("device-direct", both_mib), exc))
+            dist.barrier()
+    else:
+        rows += [{"check": f"device-direct {dd_mib} MiB (rendezvous path)", "pass": False,
+                  "value": "no device-direct group (see the row above)"},
+                 {"check": both_name("device-direct", both_mib), "pass": False,
+                  "value": "no device-direct group (see the row above)"}]
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(rows, f)
     dist.barrier()

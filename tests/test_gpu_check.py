@@ -1,5 +1,9 @@
 """``scripts/gpu_check.sh --cpu``: the GPU check end to end on CPU (same code, CPU tensors, staging forced), so
-that it cannot rot before a GPU is lent. Nothing here needs a GPU."""
+that it cannot rot before a GPU is lent. Nothing here needs a GPU.
+
+The parity rows train FSDP (with activation checkpointing), HSDP, tensor parallelism and the hierarchical
+all-reduce on simulated ranks whose native groups take cpu-forward's staged path (``BIMETAL_SIMULATE_DEVICE=cuda``
+with staging forced: the GPU run's code on CPU tensors), each step's loss against one process to 1e-4."""
 
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-pytestmark = pytest.mark.timeout(200)
+pytestmark = pytest.mark.timeout(400)
 
 
 def test_gpu_check_runs_end_to_end_in_cpu_mode(tmp_path: Path) -> None:
@@ -19,7 +23,7 @@ def test_gpu_check_runs_end_to_end_in_cpu_mode(tmp_path: Path) -> None:
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "BIMETAL_SIMULATE"):
         env.pop(key, None)
     proc = subprocess.run([str(ROOT / "scripts" / "gpu_check.sh"), "--cpu", "--out", str(tmp_path)], env=env,
-                          capture_output=True, text=True, timeout=180, cwd=ROOT)
+                          capture_output=True, text=True, timeout=380, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     rows = {r["check"]: r for r in report["rows"]}
@@ -33,6 +37,17 @@ def test_gpu_check_runs_end_to_end_in_cpu_mode(tmp_path: Path) -> None:
     where = rows["device-direct buffers on the rank's device"]
     assert where["pass"] is True and "on cpu;" in where["value"] and "engine told cpu:" in where["value"], where
     assert rows["device-direct registrations after warm-up"]["pass"] is True
+    assert rows["device-direct 8 MiB (rendezvous path)"]["pass"] is True  # above the 4 MiB eager limit
+    for transport in ("cf", "device-direct"):
+        both = rows[f"{transport} both ways at once, 4 x 2 MiB each way"]
+        assert both["pass"] is True and both["value"].count("bit-identical") == 2, both
+    parity = [r for name, r in rows.items() if name.startswith("parity: ")]
+    assert [r["check"].split(" (")[0] for r in parity] == [
+        "parity: FSDP dp_shard=2 + full activation checkpointing", "parity: HSDP replicate 2 x shard 2",
+        "parity: tensor parallel tp=2", "parity: hierarchical all-reduce dp=4 over 2 vendors"]
+    for r in parity:
+        assert r["pass"] is True and "native groups on the staged path" in r["value"], r
+    assert "bimetal_sim_native (staged: device tensors)" in (tmp_path / "parity-1.log").read_text()
     train = next(r for name, r in rows.items() if name.startswith("demo trainer"))
     assert train["pass"] is True and "loss" in train["value"]
     assert any(name.startswith("bandwidth") for name in rows) and any(name.startswith("overlap") for name in rows)
@@ -47,7 +62,7 @@ def test_gpu_check_reports_a_step_that_outlives_its_timeout(tmp_path: Path) -> N
                           env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     rows = json.loads((tmp_path / "gpu_check.json").read_text())["rows"]
-    assert [r["pass"] for r in rows] == [False, False], rows
+    assert [r["pass"] for r in rows] == [False] * 6, rows  # transport, demo trainer, the four parity rows
     assert all("timed out after 1 s" in r["value"] for r in rows), rows
     assert (tmp_path / "transport.log").exists() and (tmp_path / "train.log").exists()
     bad = subprocess.run([str(ROOT / "scripts" / "gpu_check.sh"), "--cpu", "--timeout", "0"], env=env,

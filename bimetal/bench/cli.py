@@ -11,6 +11,7 @@ from bimetal.errors import UserError
 BENCHES: dict[str, tuple[str, str]] = {
     "comm": ("bimetal.bench.comm", "main"),
     "engine": ("bimetal.bench.cli", "engine_main"),
+    "gpu-ladder": ("bimetal.bench.gpu_ladder", "main"),
     "ladder": ("bimetal.bench.ladder", "main"),
     "train": ("bimetal.bench.train", "main"),
 }

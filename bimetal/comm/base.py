@@ -227,7 +227,9 @@ class BimetalProcessGroup(dist.ProcessGroup):
         for package in (t.module for t in transports.TABLE if t.module is not None):
             with contextlib.suppress(ImportError):
                 importlib.import_module(package)
-        who = sorted({c.backend_name for c in _TRANSPORTS if getattr(c, do, None) is not None} - {self.backend_name})
+        choosable = {t.backend for t in transports.TABLE}  # (not the native or reference groups built on them)
+        who = sorted({c.backend_name for c in _TRANSPORTS if getattr(c, do, None) is not None
+                      and c.backend_name in choosable} - {self.backend_name})
         alternatives = f"{' and '.join(who)} {'does' if len(who) == 1 else 'do'} it" if who else \
             "no bimetal transport does it"
         hint = _HINTS.get(name, "")

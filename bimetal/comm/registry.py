@@ -5,7 +5,11 @@
 * ``bimetal_sim_native``: the native back-end under simulation. It is Gloo, but like NCCL/RCCL it refuses a
   group whose ranks run different (simulated) vendors, and like them it takes the NIC of its GPU: on a node
   with several NICs (a lab node), local rank i's traffic goes over NIC i, so a homogeneous baseline is not
-  held to one NIC while the transports under test use them all.
+  held to one NIC while the transports under test use them all. With ``BIMETAL_SIMULATE_DEVICE=cuda`` (simulated
+  vendors sharing one GPU) it is cpu-forward's staged path on that same NIC (``StagedNativeGroup``), so that
+  FSDP, tensor parallelism and the hierarchical all-reduce run on device tensors, which Gloo refuses;
+* ``bimetal_host_copy`` and ``bimetal_ideal``: the reference boundaries of ``bimetal bench gpu-ladder``
+  (``bimetal.comm.reference``): copy to host + stock Gloo, and a link that keeps the schedule but moves no bytes.
 
 Creators import their transport lazily, so ``import bimetal`` stays cheap and a transport that is not
 built (or whose library is missing) fails when a group asks for it, with a message that says so.
@@ -21,11 +25,14 @@ from typing import Any
 
 import torch.distributed as dist
 
+from bimetal import env
 from bimetal.errors import UserError
 from bimetal.topology import store_exchange
-from bimetal.transports import CPU_FORWARD, DEVICE_DIRECT, SIM_NATIVE, TABLE
+from bimetal.transports import CPU_FORWARD, DEVICE_DIRECT, HOST_COPY, IDEAL, SIM_NATIVE, TABLE
 
-__all__ = ["CPU_FORWARD", "DEVICE_DIRECT", "SIM_NATIVE", "register_backends"]
+__all__ = ["CPU_FORWARD", "DEVICE_DIRECT", "HOST_COPY", "IDEAL", "SIM_NATIVE", "register_backends",
+           "staged_native"]
+
 
 # transport back-end name -> module with ``create_process_group(dist_backend_opts, pg_options)``
 _TRANSPORT_MODULES = {t.backend: t.module for t in TABLE if t.module is not None}
@@ -97,7 +104,31 @@ def _create_sim_native(dist_backend_opts: Any, pg_options: Any):
     timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
     local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)  # (not cpu-forward's env: its NIC choice is its own)
     (nic,) = choose_interfaces(CpuForwardOptions(stripes=1, local_rank=local_rank))  # NIC LOCAL_RANK, else default
-    return build_stripes(store, rank, size, timeout, [nic])[0]
+    stripes = build_stripes(store, rank, size, timeout, [nic])
+    if not staged_native():
+        return stripes[0]
+    from bimetal.comm.cpu_forward import StagedNativeGroup
+
+    opts = CpuForwardOptions(stripes=1, interfaces=[nic] if nic else [], local_rank=local_rank).resolved()
+    pg = StagedNativeGroup(stripes, rank, size, timeout, opts, global_ranks=global_ranks, interfaces=[nic])
+    pg.store = dist.PrefixStore("bimetal_cf", store)
+    return pg
+
+
+def staged_native() -> bool:
+    """Whether the simulated native groups run on cpu-forward's staged path: ``BIMETAL_SIMULATE_DEVICE=cuda``, the
+    simulated vendors share one GPU, and Gloo takes device tensors for few ops. On a machine without a GPU the
+    same setting runs the same code on CPU tensors (staged through the pool with ``BIMETAL_CF_FORCE_STAGING=1``)."""
+    return env.read("BIMETAL_SIMULATE_DEVICE") == "cuda"
+
+
+def _reference_creator(name: str):
+    def create(dist_backend_opts: Any, pg_options: Any):
+        from bimetal.comm import reference
+
+        return getattr(reference, name)(dist_backend_opts, pg_options)
+
+    return create
 
 
 _registered = False
@@ -111,4 +142,6 @@ def register_backends() -> None:
     for name in _TRANSPORT_MODULES:
         dist.Backend.register_backend(name, _transport_creator(name), extended_api=True, devices=["cpu", "cuda"])
     dist.Backend.register_backend(SIM_NATIVE, _create_sim_native, extended_api=True, devices=["cpu"])
+    for name, creator in ((HOST_COPY, "create_host_copy"), (IDEAL, "create_ideal")):
+        dist.Backend.register_backend(name, _reference_creator(creator), extended_api=True, devices=["cpu", "cuda"])
     _registered = True

@@ -132,6 +132,11 @@ FLAVOURS: dict[str, dict[str, ModelArgs]] = {
                                                     original_max_positions=64)),
         "llama3-8b": LlamaArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256,
                                ffn_dim=14336, norm_eps=1e-5, rope_theta=500000.0, max_seq_len=8192),
+        # Llama-3.2-1B's shape with the embedding untied from the output, so that a pipeline can split it
+        # (1.50B parameters; `bimetal bench gpu-ladder`, the one-GPU headline measurement).
+        "llama3.2-1b-untied": LlamaArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256,
+                                        ffn_dim=8192, norm_eps=1e-5, rope_theta=500000.0, max_seq_len=131072,
+                                        rope_scaling=RopeScaling(32.0, 1.0, 4.0, 8192)),
         "llama3.1-8b": LlamaArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256,
                                  ffn_dim=14336, norm_eps=1e-5, rope_theta=500000.0, max_seq_len=131072,
                                  rope_scaling=RopeScaling(8.0, 1.0, 4.0, 8192)),

@@ -21,7 +21,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from bimetal.comm.registry import CPU_FORWARD, SIM_NATIVE
+from bimetal.comm.registry import CPU_FORWARD, SIM_NATIVE, staged_native
 from bimetal.errors import UserError
 from bimetal.parallel.layout import Layout
 from bimetal.topology.records import ClusterView, format_rows
@@ -128,12 +128,16 @@ def _split_islands(view: ClusterView, ranks: tuple[int, ...]) -> dict[str, tuple
 
 def format_group_table(specs: list[GroupSpec], fallbacks: dict[str, str] | None = None) -> str:
     """The group table; ``fallbacks`` (group name -> reason) marks groups that were built on cpu-forward
-    instead of device-direct, with the reason under the table."""
+    instead of device-direct, with the reason under the table. Simulated native groups on cpu-forward's staged
+    path (``BIMETAL_SIMULATE_DEVICE=cuda``, ``registry.staged_native``) say so."""
     fallbacks = {k: v for k, v in (fallbacks or {}).items() if v}
+    staged = staged_native()
     rows = [("group", "ranks", "vendors", "kind", "backend")]
     for g in specs:
         vendors = ",".join(dict.fromkeys(g.vendors))
         backend = f"{CPU_FORWARD} (fallback from {g.backend})" if g.name in fallbacks else g.backend
+        if staged and backend == SIM_NATIVE:
+            backend += " (staged: device tensors)"
         rows.append((g.name, ",".join(map(str, g.ranks)), vendors, g.kind, backend))
     notes = [f"  {name}: {why}" for name, why in fallbacks.items()]
     return format_rows(rows) + ("\nfallbacks:\n" + "\n".join(notes) if notes else "")

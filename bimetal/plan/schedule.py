@@ -105,3 +105,106 @@ def _replay(j: int, stages: list[StageTimes], m: int, arrive_f: list[list[float]
         send_done = fire_b(b_idx, t)
         b_idx += 1
     return out_f, out_b, max(t, send_done)
+
+
+def one_f_one_b_on(stages: list[StageTimes], microbatches: int, shared_device: bool = True) -> float:
+    """Makespan of one 1F1B run when every stage computes on the same device (``shared_device``): the device
+    serves the stages' forwards and backwards one at a time, in the order they become ready (ties: the earlier
+    stage), while transfers and the waits for them overlap the other stages' compute.
+
+    The stage programs and their blocking points are ``_replay``'s. This is the case of ``bimetal bench
+    gpu-ladder``: pipeline stages as processes sharing one GPU, where a stage waiting for its peer costs the
+    step only when no stage has work. ``shared_device=False`` gives every stage its own device (then it equals
+    ``one_f_one_b``'s makespan, which the tests check).
+    """
+    p, m = len(stages), microbatches
+    if p < 1 or m < 1:
+        raise ValueError(f"need at least one stage and one microbatch, got p={p}, m={m}")
+    arrivals: dict[tuple[str, int, int], float] = {}
+    programs = [_program(j, stages, m, arrivals) for j in range(p)]
+    pending: list[tuple | None] = [next(g) for g in programs]
+    ends = [0.0] * p
+    device_free = 0.0
+
+    def advance(j: int, value: float) -> None:
+        try:
+            pending[j] = programs[j].send(value)
+        except StopIteration as stop:
+            pending[j], ends[j] = None, float(stop.value)
+
+    while any(r is not None for r in pending):
+        waiting = True
+        while waiting:  # hand every stage the arrivals it waits for that are known by now
+            waiting = False
+            for j, req in enumerate(pending):
+                if req is not None and req[0] == "need" and req[1] in arrivals:
+                    advance(j, arrivals[req[1]])
+                    waiting = True
+        ready = [(req[1], j) for j, req in enumerate(pending) if req is not None and req[0] == "compute"]
+        if not ready:
+            if any(r is not None for r in pending):  # pragma: no cover
+                raise RuntimeError("shared-device 1F1B replay is stuck; this is a bug")
+            break
+        at, j = min(ready)
+        start = max(at, device_free) if shared_device else at
+        end = start + pending[j][2]  # type: ignore[index]
+        if shared_device:
+            device_free = end
+        advance(j, end)
+    return max(ends)
+
+
+def _program(j: int, stages: list[StageTimes], m: int, arrivals: dict[tuple[str, int, int], float]):
+    """Stage ``j``'s 1F1B program as a generator: yields ``("need", key)`` for an arrival and ``("compute", ready,
+    seconds)`` for device work (each answered with a time); writes the arrivals its sends cause; returns its end."""
+    p, st = len(stages), stages[j]
+    first, last = j == 0, j == p - 1
+    x_out, x_in = st.send_next, stages[j - 1].send_next if not first else 0.0
+
+    def fire_f(k: int, at: float) -> float:
+        done = at + (0.0 if last else x_out)
+        if not last:
+            arrivals[("f", j + 1, k)] = done
+        return done
+
+    def fire_b(k: int, at: float) -> float:
+        done = at + (0.0 if first else x_in)
+        if not first:
+            arrivals[("b", j - 1, k)] = done
+        return done
+
+    t, send_done = 0.0, 0.0
+    warm = min(m, p - j)
+    f_idx = b_idx = 0
+    held_f: int | None = None
+    for _ in range(warm):
+        arrive = 0.0 if first else (yield ("need", ("f", j, f_idx)))
+        t = yield ("compute", max(t, arrive), st.fwd)
+        t = max(t, send_done)
+        if f_idx != warm - 1:
+            send_done = fire_f(f_idx, t)
+        else:
+            held_f = f_idx
+        f_idx += 1
+    held_b: int | None = None
+    while True:
+        wait = fire_f(held_f, t) if held_f is not None else t
+        held_f = None
+        arrive = t if last else (yield ("need", ("b", j, b_idx)))
+        t = yield ("compute", max(wait, arrive), st.bwd)
+        held_b, b_idx = b_idx, b_idx + 1
+        if f_idx == m:
+            break
+        wait = fire_b(held_b, t)
+        held_b = None
+        arrive = 0.0 if first else (yield ("need", ("f", j, f_idx)))
+        t = yield ("compute", max(wait, arrive), st.fwd)
+        held_f, f_idx = f_idx, f_idx + 1
+    send_done = fire_b(held_b, t) if held_b is not None else t
+    while b_idx < m:
+        arrive = yield ("need", ("b", j, b_idx))
+        t = yield ("compute", max(t, arrive), st.bwd)
+        t = max(t, send_done)
+        send_done = fire_b(b_idx, t)
+        b_idx += 1
+    return max(t, send_done)

@@ -19,10 +19,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from bimetal.comm.cpu_forward.pg import CpuForwardProcessGroup
+from bimetal.comm.cpu_forward.pg import CpuForwardProcessGroup, StagedNativeGroup
 from bimetal.comm.striping import CpuForwardOptions, build_stripes, choose_interfaces
 
-__all__ = ["CpuForwardOptions", "CpuForwardProcessGroup", "create_process_group"]
+__all__ = ["CpuForwardOptions", "CpuForwardProcessGroup", "StagedNativeGroup", "create_process_group"]
 
 
 def create_process_group(dist_backend_opts: Any, pg_options: Any) -> CpuForwardProcessGroup:

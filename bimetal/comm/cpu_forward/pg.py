@@ -32,6 +32,7 @@ from bimetal.comm.cpu_forward.stats import StripeStats
 from bimetal.comm.cpu_forward.work import Workers
 from bimetal.comm.staging import CopyStreams, PinnedPool, force_staging, is_device
 from bimetal.comm.striping import SINGLE_BYTES, CpuForwardOptions, chunk_plan
+from bimetal.transports import SIM_NATIVE
 
 
 class CpuForwardProcessGroup(BimetalProcessGroup):
@@ -157,3 +158,15 @@ class CpuForwardProcessGroup(BimetalProcessGroup):
         self.workers.stop()
         self.failover.stop()
         self.stripes = []
+
+
+class StagedNativeGroup(CpuForwardProcessGroup):
+    """The simulated native back-end (``bimetal_sim_native``) when simulated vendors share one GPU
+    (``BIMETAL_SIMULATE_DEVICE=cuda``): cpu-forward's staged path, so a one-vendor group takes device tensors for
+    every op, where plain Gloo refuses most of them. Built by the sim-native creator after its vendor check, on
+    the NIC it chose (``bimetal.comm.registry``); it stands in for NCCL/RCCL on the one-GPU check, it is not how a
+    real native group moves data."""
+
+    backend_name = SIM_NATIVE
+    native_path = "staged"
+    """What the group table shows next to the back-end name."""

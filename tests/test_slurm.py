@@ -211,9 +211,10 @@ def test_titan_script_of_each_cluster_spec(spec_path: Path, tmp_path: Path, caps
 def test_simulated_script(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     spec = _spec(tmp_path, [("nv", "nvidia", "H100", 1, 2), ("amd", "amd", "MI300X", 1, 2)])
     script = _generate(["--config", str(CONFIGS / "demo.toml"), "--cluster", str(spec), "--simulate", "--partition",
-                        "nvidia=a", "--partition", "amd=b", "--master-port", "29511", "--training.steps=3"], capsys)
+                        "nvidia=a", "--partition", "amd=b", "--master-port", "29511", "--cpus-per-task", "2",
+                        "--training.steps=3"], capsys)
     comps = _components(script)
-    assert [(c["nodes"], c["ntasks-per-node"]) for c in comps] == [("1", "2"), ("1", "2")]
+    assert [(c["nodes"], c["ntasks-per-node"], c["cpus-per-task"]) for c in comps] == [("1", "2", "2")] * 2
     assert all("gpus-per-node" not in c for c in comps)
     assert "--export=ALL,BIMETAL_VENDOR=nvidia" in script and "--export=ALL,BIMETAL_VENDOR=amd" in script
     assert "export MASTER_PORT=${MASTER_PORT:-29511}" in script
@@ -233,6 +234,7 @@ QWEN = ["--config", str(CONFIGS / "qwen2-7b-2x8.toml")]
      "--simulate with --titan is not supported"),
     (["--titan", "--partition", "nvidia=a"], "--titan needs --cluster SPEC"),
     (QWEN + ["--titan"], "--config is a `bimetal train` config"),
+    (QWEN + ["--partition", "nvidia=a", "--partition", "amd=b", "--master-port", "70000"], "is not a TCP port"),
 ])
 def test_bad_generator_input(args: list[str], fragment: str, capsys: pytest.CaptureFixture[str]) -> None:
     code = bimetal_main(["slurm", *args])

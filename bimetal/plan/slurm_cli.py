@@ -101,6 +101,10 @@ def main(argv: list[str]) -> int:
     a, rest = build_parser().parse_known_args(argv)
     if rest[:1] == ["--"]:
         rest = rest[1:]
+    if a.cpus_per_task is not None and a.cpus_per_task < 1:
+        raise UserError(f"--cpus-per-task {a.cpus_per_task} must be at least 1.")
+    if a.master_port is not None and not 0 < a.master_port < 65536:
+        raise UserError(f"--master-port {a.master_port} is not a TCP port; give one from 1 to 65535.")
     cwd = Path.cwd()
     if a.titan:
         if a.config:
@@ -152,9 +156,6 @@ def main(argv: list[str]) -> int:
     if not a.simulate and len({c.island.vendor for c in comps}) > 1 and len({c.python for c in comps}) == 1:
         print(f"bimetal slurm: note: every component runs {comps[0].python}; a mixed cluster needs each vendor's "
               "torch build (--python amd=PATH), else the ranks of the other vendor refuse to start.", file=sys.stderr)
-    for flag, value in (("--cpus-per-task", a.cpus_per_task), ("--master-port", a.master_port)):
-        if value is not None and not 0 < value < 65536:
-            raise UserError(f"{flag} {value} must be a positive integer (a port below 65536).")
     group_order = ",".join(i.name for i in parts)
     job = SbatchJob(
         job_name=a.job_name or name, components=tuple(comps), rank_args=tuple(rank_args),

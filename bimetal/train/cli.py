@@ -2,7 +2,9 @@
 
 Outside a rank every check that needs no process group runs first (environment, config, layout against the
 simulated world, model and data: ``bimetal.train.preflight``), so a mistake is one sentence before any rank
-starts. Inside a rank (``RANK`` set, by torchrun or bimetal's launcher) only the cheap ones run again.
+starts. Inside a rank (``RANK`` set, by torchrun or bimetal's launcher; or a task of an srun step, whose Slurm
+variables become torchrun's, see ``bimetal.topology.slurm``) only the cheap ones run again, plus, under srun, the
+allocation against the cluster spec.
 """
 
 from __future__ import annotations

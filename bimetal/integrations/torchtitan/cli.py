@@ -6,7 +6,8 @@
 bimetal's own options are listed below; every other argument is torchtitan's (``--module``, ``--config``,
 ``--section.key value``) and goes to torchtitan's ``ConfigManager`` unchanged. With ``--simulate`` this
 process checks the mesh, generates the CPU assets and starts one rank per simulated GPU (through torchrun);
-without it, this process is one rank of a job started by ``torchrun`` (a real cluster).
+without it, this process is one rank of a job started by ``torchrun`` or by ``srun`` (a real cluster;
+``bimetal slurm --titan`` writes the sbatch script, and ``--cluster`` makes each rank check Slurm's allocation).
 Precedence: torchtitan CLI overrides > ``--plan`` file > the ``--config`` function's values.
 """
 

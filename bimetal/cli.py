@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "plan": ("bimetal.plan.cli", "main", "rank layouts for a cluster spec with the cost model"),
     "profile": ("bimetal.plan.cli", "profile_main", "time model layers on the local device for the planner"),
     "titan": ("bimetal.integrations.torchtitan.cli", "main", "torchtitan's trainer across vendors"),
+    "slurm": ("bimetal.plan.slurm_cli", "main", "write the sbatch script of a config: one hetjob component per vendor"),
     "lab": ("bimetal.lab.cli", "main", "bring up an emulated multi-node cluster and run a job on it"),
     "bench": ("bimetal.bench.cli", "main", "benchmarks: 'bench comm', 'bench engine', 'bench ladder', 'bench train'"),
 }

@@ -2,7 +2,9 @@
 
 Outside a rank every check that needs no process group runs first (environment, config, layout against the
 simulated world, model and data: ``bimetal.train.preflight``), so a mistake is one sentence before any rank
-starts. Inside a rank (``RANK`` set, by torchrun or bimetal's launcher) only the cheap ones run again.
+starts. Inside a rank (``RANK`` set, by torchrun or bimetal's launcher; or a task of an srun step, whose Slurm
+variables become torchrun's, see ``bimetal.topology.slurm``) only the cheap ones run again, plus, under srun, the
+allocation against the cluster spec.
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ from bimetal.env import check_environment, unknown_warning
 from bimetal.errors import UserError
 from bimetal.log import rank_logging
 from bimetal.supervisor import REPORT_ENV
+from bimetal.topology import slurm
 from bimetal.topology.vendor import parse_simulate
 from bimetal.train.metrics import format_summary
-from bimetal.train.preflight import check_data, check_layout, check_model, check_world
+from bimetal.train.preflight import check_data, check_layout, check_model, check_slurm, check_world
 from bimetal.transports import TRANSPORTS
 
 _log = logging.getLogger(__name__)
@@ -80,6 +83,9 @@ def main(argv: list[str]) -> int:
                         help="start nothing: print each stage's memory per GPU against its device and exit")
     parser.add_argument("--json", action="store_true", help="with --dry-run: the report as JSON")
     ns, rest = parser.parse_known_args(argv)
+    # A task of an srun step is a rank: Slurm's variables become torchrun's (not under --simulate, which starts
+    # its own ranks, nor under torchrun, which set RANK already).
+    slurm_job = None if ns.simulate else slurm.adopt()
     unknown = check_environment()
     in_rank = "RANK" in os.environ
     if unknown and (not in_rank or (os.environ.get("RANK") == "0" and REPORT_ENV not in os.environ)):
@@ -100,6 +106,8 @@ def main(argv: list[str]) -> int:
     if cfg.parallel.pp * cfg.parallel.dp * cfg.parallel.tp > 1:
         _check_transports(cfg)
     if in_rank:
+        if slurm_job is not None:
+            check_slurm(cfg, slurm_job)
         check_world(cfg, int(os.environ.get("WORLD_SIZE", "1")))
         rank_logging(int(os.environ["RANK"]))
     else:

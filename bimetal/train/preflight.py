@@ -16,6 +16,7 @@ import numpy as np
 
 from bimetal.config import TrainConfig
 from bimetal.errors import UserError
+from bimetal.topology.slurm import SlurmJob
 
 _SAMPLE_TOKENS = 1 << 24  # token ids checked up front in a .bin shard; the ranks check every batch they read
 
@@ -59,6 +60,21 @@ def check_world(cfg: TrainConfig, world: int) -> None:
     if need != world:
         raise UserError(f"the layout parallel.pp={p.pp} x parallel.dp={p.dp} x parallel.tp={p.tp} needs {need} "
                         f"ranks but this job has WORLD_SIZE={world}; start {need} ranks or change the layout.")
+
+
+def check_slurm(cfg: TrainConfig, job: SlurmJob) -> None:
+    """A rank started by srun: the job's allocation against the layout of ``parallel.cluster`` (components, nodes,
+    one task per GPU, GPUs per node, this rank's vendor); without a cluster spec only the world size is known."""
+    if not cfg.parallel.cluster:
+        return
+    from bimetal.plan.sbatch import islands
+    from bimetal.plan.spec import load_spec
+    from bimetal.topology.slurm import check_allocation
+    from bimetal.topology.vendor import detect_vendor
+
+    vendor = detect_vendor(job.task.rank if job.task else None)
+    check_allocation(islands(load_spec(cfg.parallel.cluster)), job, f"cluster spec {cfg.parallel.cluster}",
+                     vendor=vendor)
 
 
 def check_model(cfg: TrainConfig) -> None:

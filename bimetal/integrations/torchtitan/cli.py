@@ -6,7 +6,8 @@
 bimetal's own options are listed below; every other argument is torchtitan's (``--module``, ``--config``,
 ``--section.key value``) and goes to torchtitan's ``ConfigManager`` unchanged. With ``--simulate`` this
 process checks the mesh, generates the CPU assets and starts one rank per simulated GPU (through torchrun);
-without it, this process is one rank of a job started by ``torchrun`` (a real cluster).
+without it, this process is one rank of a job started by ``torchrun`` or by ``srun`` (a real cluster;
+``bimetal slurm --titan`` writes the sbatch script, and ``--cluster`` makes each rank check Slurm's allocation).
 Precedence: torchtitan CLI overrides > ``--plan`` file > the ``--config`` function's values.
 """
 
@@ -24,6 +25,7 @@ from bimetal import transports
 from bimetal.env import read as read_env
 from bimetal.errors import UserError
 from bimetal.plan.titan_split import module_fqns_per_model_part, parse_split
+from bimetal.topology import slurm
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="reference run: every group on plain Gloo, no vendor rules (with --simulate only)")
     p.add_argument("--assets", help="folder for the generated CPU tokenizer and dataset (default: "
                                     "<dump_folder>/bimetal_assets)")
+    p.add_argument("--cluster", help="cluster spec the job is laid out on (`bimetal slurm --titan` passes it): under "
+                                     "srun each rank checks Slurm's allocation against it before training")
     return p
 
 
@@ -138,6 +142,8 @@ def _module_name(titan_args: list[str]) -> str:
 
 def main(argv: list[str]) -> int:
     opts, titan_args = build_parser().parse_known_args(argv)
+    # A task of an srun step is a rank: Slurm's variables become torchrun's (bimetal.topology.slurm).
+    slurm_job = None if opts.simulate else slurm.adopt()
     if opts.all_gloo and not opts.simulate and not read_env("BIMETAL_SIMULATE"):
         raise UserError("--all-gloo is a reference for simulated runs; it needs --simulate")
     plan = _read_plan(opts.plan)
@@ -148,8 +154,20 @@ def main(argv: list[str]) -> int:
     pp_transport = opts.pp_transport or plan.get("bimetal", {}).get("pp_transport", transports.DEFAULT)
     if opts.simulate:
         return _launch_simulated(opts, titan_args, split, pp_transport)
+    if slurm_job is not None and opts.cluster:
+        _check_slurm(slurm_job, opts.cluster, plan.get("bimetal", {}).get("stage_groups"))
     return run_rank(titan_args, cpu=opts.cpu or bool(read_env("BIMETAL_SIMULATE")), split=split,
                     pp_transport=pp_transport, all_gloo=opts.all_gloo)
+
+
+def _check_slurm(job: slurm.SlurmJob, cluster: str, stage_groups: list[str] | None) -> None:
+    """Slurm's allocation against the cluster spec, components in the plan's stage order, before torchtitan."""
+    from bimetal.plan.sbatch import islands
+    from bimetal.plan.spec import load_spec
+    from bimetal.topology.vendor import detect_vendor
+
+    vendor = detect_vendor(job.task.rank if job.task else None)
+    slurm.check_allocation(islands(load_spec(cluster), stage_groups), job, f"cluster spec {cluster}", vendor=vendor)
 
 
 def _launch_simulated(opts: argparse.Namespace, titan_args: list[str], split: list[int] | None,

@@ -1,0 +1,199 @@
+"""``bimetal slurm``: the sbatch script of a `bimetal train` config (or a `bimetal titan` run) on a Slurm cluster
+whose vendors live in separate partitions; ``bimetal slurm check``: this job's allocation against the layout.
+
+    bimetal slurm --config configs/llama3-8b-h100-mi300x.toml --partition nvidia=gpu-h100 \\
+        --partition amd=gpu-mi300 --out job.sbatch
+    bimetal slurm --titan --plan titan.toml --cluster configs/clusters/h100_mi300x.toml \\
+        --partition nvidia=gpu-h100 --partition amd=gpu-mi300 -- --module llama3 --config llama3_8b
+
+The node groups come from the cluster spec (``parallel.cluster`` of the config, or ``--cluster``): one hetjob
+component per group, ``count`` nodes of ``gpus_per_node`` tasks each. A command of its own rather than a flag of
+``bimetal plan``: it starts from a train config (or a torchtitan plan), not from a plan search, and it serves both
+trainers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+import tomllib
+from pathlib import Path
+
+from bimetal.errors import UserError
+from bimetal.plan.sbatch import Component, SbatchJob, islands, rank_ranges, render
+from bimetal.plan.spec import ClusterSpec, load_spec
+from bimetal.topology.slurm import Island, check_allocation, read_job
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="bimetal slurm", description=__doc__.splitlines()[0],
+                                epilog="Other arguments: --section.key=value overrides of the train config, or "
+                                       "(with --titan) torchtitan's arguments after --.")
+    p.add_argument("--config", help="the `bimetal train` config TOML")
+    p.add_argument("--titan", action="store_true", help="run torchtitan's trainer (`bimetal titan`) instead")
+    p.add_argument("--plan", help="with --titan: a `bimetal plan --write-titan` file (its stage groups order the "
+                                  "components)")
+    p.add_argument("--cluster", help="cluster spec TOML (default: the config's parallel.cluster)")
+    p.add_argument("--partition", action="append", default=[], metavar="VENDOR|GROUP=PARTITION",
+                   help="partition of a vendor's (or one node group's) nodes, e.g. nvidia=gpu-h100; repeatable")
+    p.add_argument("--python", action="append", default=[], metavar="VENDOR|GROUP=PATH",
+                   help="interpreter with that vendor's torch build on its nodes (default: this one)")
+    p.add_argument("--simulate", action="store_true",
+                   help="ranks play their component's vendor on CPU (BIMETAL_VENDOR); no GPUs are requested")
+    p.add_argument("--out", help="write the script here (default: print it)")
+    p.add_argument("--job-name", help="default: bimetal-<config name>")
+    p.add_argument("--output", default="bimetal-%j.out", help="sbatch --output pattern (default: %(default)s)")
+    p.add_argument("--time", help="sbatch --time of every component, e.g. 04:00:00")
+    p.add_argument("--account", help="sbatch --account")
+    p.add_argument("--cpus-per-task", type=int, help="sbatch --cpus-per-task of every component")
+    p.add_argument("--master-port", type=int, help="rendezvous port on the first node (default: from the job id)")
+    p.add_argument("--sbatch", action="append", default=[], metavar="OPTION",
+                   help="a further #SBATCH option for every component, e.g. --sbatch=--exclusive; repeatable")
+    return p
+
+
+def _pairs(items: list[str], flag: str, keys: set[str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key or not value:
+            raise UserError(f"{flag} {item!r} must be KEY=VALUE with KEY a vendor or node group, e.g. nvidia=gpu-h100.")
+        if key not in keys:
+            raise UserError(f"{flag} {item!r}: {key!r} is neither a vendor nor a node group of the cluster spec "
+                            f"({', '.join(sorted(keys))}).")
+        out[key] = value
+    return out
+
+
+def _pick(table: dict[str, str], isl: Island) -> str | None:
+    return table.get(isl.name, table.get(isl.vendor))  # a group's own entry wins over its vendor's
+
+
+def _stages(cfg_parallel: object, parts: list[Island], spec: ClusterSpec, allow_xdp: bool) -> list[str]:
+    """Each component's stages; refuses (one sentence) a layout the spec's nodes cannot hold."""
+    from bimetal.parallel.layout import ParallelDims, plan_layout
+    from bimetal.topology.records import ClusterView, RankRecord
+
+    pp, dp, tp = (getattr(cfg_parallel, k) for k in ("pp", "dp", "tp"))
+    need, have = pp * dp * tp, sum(i.nodes * i.gpus_per_node for i in parts)
+    if need != have:
+        raise UserError(f"the layout parallel.pp={pp} x parallel.dp={dp} x parallel.tp={tp} needs {need} ranks but "
+                        f"{spec.path} has {have} GPUs; one rank runs per GPU, so make them match.")
+    records, rank = [], 0
+    for isl in parts:
+        for node in range(isl.nodes):
+            for local in range(isl.gpus_per_node):
+                records.append(RankRecord(rank, local, f"{isl.name}-{node}", isl.vendor, isl.gpu, 0))
+                rank += 1
+    layout = plan_layout(ClusterView(records), ParallelDims(pp=pp, dp=dp, tp=tp, allow_cross_vendor_dp=allow_xdp))
+    out = []
+    for ranks in rank_ranges(parts):
+        held = sorted({layout.coords(r)[0] for r in ranks})
+        out.append(f"stage{'s' if len(held) > 1 else ''} {', '.join(map(str, held))}")
+    return out
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["check"]:
+        return check_main(argv[1:])
+    a, rest = build_parser().parse_known_args(argv)
+    if rest[:1] == ["--"]:
+        rest = rest[1:]
+    if a.cpus_per_task is not None and a.cpus_per_task < 1:
+        raise UserError(f"--cpus-per-task {a.cpus_per_task} must be at least 1.")
+    if a.master_port is not None and not 0 < a.master_port < 65536:
+        raise UserError(f"--master-port {a.master_port} is not a TCP port; give one from 1 to 65535.")
+    cwd = Path.cwd()
+    if a.titan:
+        if a.config:
+            raise UserError("--config is a `bimetal train` config; with --titan give --plan and torchtitan's own "
+                            "--config after --.")
+        if a.simulate:
+            raise UserError("--simulate with --titan is not supported: torchtitan's CPU stand-ins need assets "
+                            "written on the node; run `bimetal titan --simulate ...` on one machine instead.")
+        if not a.cluster:
+            raise UserError("--titan needs --cluster SPEC: the node groups the job runs on.")
+        spec = load_spec(a.cluster)
+        plan = _read_plan(a.plan) if a.plan else {}
+        order = plan.get("bimetal", {}).get("stage_groups")
+        parts = islands(spec, order)
+        stages = [""] * len(parts)
+        rank_args = ["-m", "bimetal.integrations.torchtitan", f"--cluster={Path(a.cluster).resolve()}"]
+        rank_args += [f"--plan={Path(a.plan).resolve()}"] if a.plan else []
+        rank_args += rest
+        name = "bimetal-titan"
+    else:
+        from bimetal.config import load_config
+
+        if not a.config:
+            raise UserError("give --config TRAIN.toml (the layout to run), or --titan for torchtitan's trainer.")
+        if a.plan:
+            raise UserError("--plan is a torchtitan plan and goes with --titan; a train config carries its layout.")
+        cfg = load_config(a.config, rest)
+        cluster = a.cluster or cfg.parallel.cluster
+        if not cluster:
+            raise UserError(f"{a.config} names no cluster spec (parallel.cluster); add --cluster SPEC so the script "
+                            "knows each vendor's nodes and GPUs per node.")
+        spec = load_spec(cluster)
+        parts = islands(spec)
+        stages = _stages(cfg.parallel, parts, spec, cfg.parallel.allow_cross_vendor_dp)
+        rank_args = ["-m", "bimetal.train", f"--config={Path(a.config).resolve()}",
+                     f"--parallel.cluster={Path(cluster).resolve()}", *rest]
+        name = f"bimetal-{Path(a.config).stem}"
+    keys = {g.name for g in spec.groups} | {g.vendor for g in spec.groups}
+    partitions, pythons = _pairs(a.partition, "--partition", keys), _pairs(a.python, "--python", keys)
+    if a.simulate and any(i.vendor == "cpu" for i in parts):
+        raise UserError(f"--simulate plays nvidia or amd on CPU; {spec.path} has a cpu node group.")
+    comps = []
+    for isl, st in zip(parts, stages):
+        part = _pick(partitions, isl)
+        if part is None:
+            raise UserError(f"no partition for {isl.describe()}; add --partition {isl.vendor}=NAME (or "
+                            f"{isl.name}=NAME).")
+        comps.append(Component(isl, part, _pick(pythons, isl) or sys.executable, st))
+    if not a.simulate and len({c.island.vendor for c in comps}) > 1 and len({c.python for c in comps}) == 1:
+        print(f"bimetal slurm: note: every component runs {comps[0].python}; a mixed cluster needs each vendor's "
+              "torch build (--python amd=PATH), else the ranks of the other vendor refuse to start.", file=sys.stderr)
+    group_order = ",".join(i.name for i in parts)
+    job = SbatchJob(
+        job_name=a.job_name or name, components=tuple(comps), rank_args=tuple(rank_args),
+        check_args=("-m", "bimetal.cli", "slurm", "check", f"--cluster={Path(spec.path).resolve()}",
+                    f"--groups={group_order}"),
+        chdir=str(cwd), output=a.output, source=spec.path, command=shlex.join(["bimetal", "slurm", *argv]),
+        simulate=a.simulate, master_port=a.master_port, cpus_per_task=a.cpus_per_task, time=a.time,
+        account=a.account, extra=tuple(a.sbatch))
+    text = render(job)
+    if not a.out:
+        sys.stdout.write(text)
+        return 0
+    out = Path(a.out)
+    out.write_text(text)
+    out.chmod(out.stat().st_mode | 0o111)
+    print(f"bimetal slurm: {len(comps)} component(s) ({group_order}) written to {out}; submit with: sbatch {out}")
+    return 0
+
+
+def _read_plan(path: str) -> dict:
+    try:
+        return tomllib.loads(Path(path).read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise UserError(f"cannot read the plan file {path!r}: {exc}") from None
+
+
+def check_main(argv: list[str]) -> int:
+    """``bimetal slurm check --cluster SPEC [--groups a,b]``: inside a job, its allocation against the spec."""
+    p = argparse.ArgumentParser(prog="bimetal slurm check", description=check_main.__doc__)
+    p.add_argument("--cluster", required=True, help="cluster spec TOML")
+    p.add_argument("--groups", help="node groups in component order (default: the trainer's order)")
+    a = p.parse_args(argv)
+    job = read_job(os.environ)
+    if job is None:
+        raise UserError("bimetal slurm check runs inside a Slurm job (no SLURM_JOB_ID here); the script "
+                        "`bimetal slurm` writes runs it first.")
+    spec = load_spec(a.cluster)
+    check_allocation(islands(spec, a.groups.split(",") if a.groups else None), job, f"cluster spec {a.cluster}")
+    print(f"bimetal slurm check: job {job.job_id} has the {len(job.components)} component(s) {a.cluster} needs.",
+          flush=True)
+    return 0

@@ -1,0 +1,121 @@
+"""``bimetal slurm`` against a real Slurm (``tests/slurm_cluster.py``: munged, slurmctld and a slurmd for each of the
+partitions ``nvidia`` and ``amd``, private to the test), scripts submitted with ``sbatch``.
+
+Three jobs, the debug model on a simulated 2 x NVIDIA + 2 x AMD cluster (each component's ranks play its vendor
+on CPU): one trains three steps to the end as one hetjob with the cross-vendor pipeline group on a bimetal
+transport; one is cancelled with ``scancel`` while it trains, and no rank process may survive it; one asks for a
+node fewer than the layout needs and is refused in one sentence before any rank starts. Skipped, naming the
+reason, where Slurm cannot run (no packages, not root); never run against a stand-in.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from launcher import ROOT, bimetal, free_port
+from slurm_cluster import SlurmCluster, slurm_unavailable
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+
+SPEC = """[[group]]
+name = "{nv}"
+vendor = "nvidia"
+gpu = "H100"
+count = {nv_nodes}
+gpus_per_node = {nv_gpus}
+nics_per_node = 1
+nic_gbps = 100
+intra_gbps = 100
+
+[[group]]
+name = "amd"
+vendor = "amd"
+gpu = "MI300X"
+count = {amd_nodes}
+gpus_per_node = {amd_gpus}
+nics_per_node = 1
+nic_gbps = 100
+intra_gbps = 100
+"""
+SMALL = ["--data.seq_len=32", "--data.batch_size=4", "--parallel.microbatches=2", "--metrics.log_every=1"]
+
+
+@pytest.fixture(scope="module")
+def slurm() -> Iterator[SlurmCluster]:
+    why = slurm_unavailable()
+    if why:
+        pytest.skip(why)
+    cluster = SlurmCluster({"nvidia": 8, "amd": 8})
+    try:
+        yield cluster.up()
+    finally:
+        cluster.down()
+
+
+def _script(tmp: Path, *, amd_nodes: int = 1, amd_gpus: int = 2, extra: tuple[str, ...] = ()) -> Path:
+    """``bimetal slurm --simulate`` for demo.toml (pp=2 x dp=2) on 1 x 2 NVIDIA + ``amd_nodes`` x ``amd_gpus`` AMD."""
+    spec = tmp / "spec.toml"
+    spec.write_text(SPEC.format(nv="nv", nv_nodes=1, nv_gpus=2, amd_nodes=amd_nodes, amd_gpus=amd_gpus))
+    out = tmp / "job.sbatch"
+    proc = bimetal("slurm", "--config", str(ROOT / "configs" / "demo.toml"), "--cluster", str(spec), "--simulate",
+                   "--partition", "nvidia=nvidia", "--partition", "amd=amd", "--master-port", str(free_port()),
+                   "--out", str(out), f"--metrics.run_dir={tmp / 'run'}", *SMALL, *extra, cwd=tmp)
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+def test_hetjob_trains_with_the_cross_vendor_group_on_a_bimetal_transport(slurm: SlurmCluster, tmp_path: Path) \
+        -> None:
+    job = slurm.sbatch(_script(tmp_path, extra=("--training.steps=3",)))
+    info = slurm.wait_job(job, 240)
+    out = (tmp_path / f"bimetal-{job}.out").read_text()
+    assert info.get("JobState") == "COMPLETED" and info.get("ExitCode") == "0:0", out[-3000:] + slurm.logs()
+    assert f"bimetal slurm check: job {job} has the 2 component(s)" in out
+    view = out[out.index("bimetal cluster view:"):out.index("bimetal groups")]
+    nv, amd = slurm.nodes["nvidia"], slurm.nodes["amd"]
+    rows = [line.split()[:4] for line in view.splitlines()[3:] if line.strip()]
+    assert rows == [["0", "0", nv, "nvidia"], ["1", "1", nv, "nvidia"], ["2", "0", amd, "amd"], ["3", "1", amd, "amd"]]
+    table = {line.split()[0]: line.split() for line in out[out.index("bimetal groups"):].splitlines()[3:7]}
+    assert table["pp.dp0"][1:] == ["0,2", "nvidia,amd", "cross-vendor", "bimetal_cpu_forward"], out
+    assert table["dp.stage1"][1:3] == ["2,3", "amd"]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["xvendor_bytes"] > 0, summary
+
+
+def test_scancel_stops_every_rank(slurm: SlurmCluster, tmp_path: Path) -> None:
+    job = slurm.sbatch(_script(tmp_path, extra=("--training.steps=100000",)))
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.monotonic() + 200
+    while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text().strip()):
+        assert slurm.run("squeue", "-h", "-j", str(job)).stdout.strip(), (tmp_path / f"bimetal-{job}.out").read_text()
+        time.sleep(0.5)
+    ranks = slurm.ranks(job)
+    assert len(ranks) == 4, ranks  # all four ranks are training (step 1 is logged)
+    slurm.run("scancel", str(job))
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and slurm.processes(job):
+        time.sleep(0.5)
+    assert not slurm.processes(job), f"still alive after scancel: {slurm.processes(job)}"
+    assert slurm.wait_job(job, 30).get("JobState") == "CANCELLED"
+
+
+def test_component_short_of_a_node_is_refused_before_any_rank(slurm: SlurmCluster, tmp_path: Path) -> None:
+    """The layout puts AMD on 2 nodes of 1 GPU; the AMD partition has one node, so the script is edited down to
+    one, as a user fitting a job to a partition would."""
+    script = _script(tmp_path, amd_nodes=2, amd_gpus=1)
+    text = script.read_text()
+    head, amd = text.split("#SBATCH hetjob\n")
+    assert "#SBATCH --nodes=2\n" in amd
+    script.write_text(head + "#SBATCH hetjob\n" + amd.replace("#SBATCH --nodes=2\n", "#SBATCH --nodes=1\n"))
+    job = slurm.sbatch(script)
+    info = slurm.wait_job(job, 120)
+    out = (tmp_path / f"bimetal-{job}.out").read_text().strip()
+    assert info.get("ExitCode") == "2:0", out + slurm.logs()
+    assert out.splitlines() == [
+        "bimetal slurm: hetjob component 1 (partition amd) has 1 node(s), too few for node group 'amd' "
+        f"(2 x 1 amd MI300X) of cluster spec {tmp_path / 'spec.toml'}; ask for --nodes=2 there, or submit the script "
+        "`bimetal slurm` writes for this config, or fix the cluster spec."], out

@@ -42,7 +42,7 @@ from bimetal.train.parallelize import (
     set_gradient_sync,
     tensor_bytes,
 )
-from bimetal.train.pipeline import PipelineRunner, StageModule, stage_layer_ids
+from bimetal.train.pipeline import PipelineRunner, StageModule, boundary_dtype, stage_layer_ids
 from bimetal.train.shards import merge_loaded, part_name, to_local
 from bimetal.train.tokenizer import build_tokenizer
 from bimetal.train.tp import apply_tp, check_tp, tp_mesh
@@ -156,7 +156,8 @@ class _XvendorMeter:
 
 def _write_memory(run_dir: str, rank: int, sizes: dict[str, int]) -> None:
     """``memory-rank<R>.json``: bytes of parameters, gradients and optimizer state this rank holds (and, under
-    FSDP with a pipeline, FSDP's unsharded parameters and gradients at the first step's last backward)."""
+    FSDP with a pipeline, FSDP's unsharded parameters and gradients at the first step's last backward; with a
+    pipeline, the schedule's receive buffers and the most stage-output bytes it held at once in that step)."""
     import json
     from pathlib import Path
 
@@ -230,7 +231,7 @@ def _build_stage(cfg: TrainConfig, ctx: Any, models: Any, args: Any, split: list
         mesh = smesh.tp_mesh if smesh is not None else tp_mesh(ctx.tp_group, device)
         apply_tp(model, mesh)
     apply_activation_checkpointing(model, cfg.activation_checkpoint)
-    local = StageModule(model, amp, device.type)
+    local = StageModule(model, amp, device.type, boundary_dtype(cfg.parallel.pp_boundary_dtype, amp))
     if smesh is not None:
         apply_fsdp(local, model, smesh.dp_mesh, pipelined=n_stages > 1, param_dtype=amp)
     return model, local, mesh
@@ -253,12 +254,16 @@ def _run(cfg: TrainConfig, ctx: Any, smesh: Any, models: Any, args: Any, split: 
     mb, seq = cfg.data.batch_size // n_mb, cfg.data.seq_len
     runner = None
     if n_stages > 1:
-        hidden = torch.zeros(mb, seq, args.dim, device=device)
-        ids = torch.zeros(mb, seq, dtype=torch.long, device=device)
-        logits = torch.zeros(mb, seq, args.vocab_size, device=device)
+        # Shapes and dtypes only (meta: no storage; a real [mb, seq, vocab] float32 example of an 8B model at
+        # seq 8192 held 4.2 GB for the whole job): the boundary's dtype, and the last stage's logits in it too.
+        edt = local.boundary_dtype
+        hidden = torch.empty(mb, seq, args.dim, dtype=edt, device="meta")
+        ids = torch.empty(mb, seq, dtype=torch.long, device="meta")
+        logits = torch.empty(mb, seq, args.vocab_size, dtype=edt, device="meta")
         runner = PipelineRunner(local, stage, n_stages, ctx.pp_group, n_mb, cfg.parallel.schedule, _loss_fn,
                                 device, ids if stage == 0 else hidden, logits if stage == n_stages - 1 else hidden,
                                 autocast_dtype=amp, tp_mesh=mesh)
+        del hidden, ids, logits
     folder = cfg.checkpoint.folder or f"{cfg.metrics.run_dir}/checkpoints"
     meta = {"family": family, "flavour": cfg.model.flavour, "layers_per_stage": split, "dp": dp_size,
             "dp_shard": cfg.parallel.dp_shard, "tp": cfg.parallel.tp}
@@ -344,7 +349,9 @@ def _run(cfg: TrainConfig, ctx: Any, smesh: Any, models: Any, args: Any, split: 
         sched.step()
         if step == start:
             held = runner.pipe_stage.fsdp_held if runner is not None else None  # FSDP's unsharded buffers
-            _write_memory(cfg.metrics.run_dir, rank, memory_bytes(model, opt) | (held or {}))
+            st = runner.pipe_stage if runner is not None else None
+            pipe = {"recv_buffers": st.recv_buffer_bytes(), "held_outputs": st.held_outputs} if st is not None else {}
+            _write_memory(cfg.metrics.run_dir, rank, memory_bytes(model, opt) | (held or {}) | pipe)
         loss_t = (loss_sum / cfg.optim.grad_accum).reshape(1)
         if dp_size > 1:
             with _during(rank, step + 1, "loss all-reduce", dp_name):

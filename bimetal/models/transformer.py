@@ -1,7 +1,8 @@
 """Decoder-only transformer shared by LLaMA-3 and Qwen2, single-device and vendor-free.
 
 RMSNorm, RoPE (with optional LLaMA-3 frequency scaling), grouped-query attention through
-``F.scaled_dot_product_attention(is_causal=True)`` and a SwiGLU feed-forward. RoPE uses the Hugging Face
+``F.scaled_dot_product_attention(is_causal=True, enable_gqa=True)`` (key/value heads not repeated where a fused
+kernel takes them grouped) and a SwiGLU feed-forward. RoPE uses the Hugging Face
 "rotate half" layout (the two halves of a head are the pairs), so HF q/k weights load without a
 permutation. A pipeline stage is this same class with parts removed by ``prune_to_stage``: ``layers`` is a
 ``ModuleDict`` keyed by the global layer index, and ``tok_embeddings``, ``norm`` and ``output`` may be None.
@@ -48,6 +49,23 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-b, a), dim=-1)
 
 
+def _sdpa_takes_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether a fused SDPA kernel takes these grouped key/value heads as they are (``enable_gqa``).
+
+    Then key and value are never repeated per query head: ``n_heads / n_kv_heads`` times less memory for them,
+    in the forward and in what the backward keeps. The CPU's flash kernel takes groups (and gives the same bits
+    as repeated heads); on a GPU torch's own backend checks decide (flash takes groups; on some builds, ROCm's
+    memory-efficient kernel among them, none does, and grouped heads would fall to the unfused math kernel,
+    which repeats them anyway and materialises the attention matrix: there the heads are repeated here instead).
+    """
+    if q.device.type != "cuda":
+        return True
+    cuda = torch.backends.cuda
+    params = cuda.SDPAParams(q, k, v, None, 0.0, True, True)
+    return bool(cuda.can_use_flash_attention(params) or cuda.can_use_efficient_attention(params)
+                or cuda.can_use_cudnn_attention(params))
+
+
 class RMSNorm(nn.Module):
     """``x / rms(x) * weight``, computed in float32 and cast back (as HF does)."""
 
@@ -85,10 +103,11 @@ class Attention(nn.Module):
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         rep = q.shape[1] // k.shape[1]
-        if rep > 1:  # query head h reads key/value head h // rep
+        grouped = rep > 1 and _sdpa_takes_groups(q, k, v)
+        if rep > 1 and not grouped:  # query head h reads key/value head h // rep
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 

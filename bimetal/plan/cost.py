@@ -110,16 +110,18 @@ def block_saved_bytes(m: ModelDims, tokens: int, tp: int, bf16: bool = True, fsd
     """Bytes one block keeps for its backward per microbatch of ``tokens`` on one tp rank (no weights).
 
     bf16 autocast: the residual x, its rsqrt and normalised copy in fp32 for both norms (8*d + 4 each),
-    the bf16 inputs of q/k/v and w1/w3 (6*d + 4*d, replicated over tp), attention q, k, v and output in bf16
-    (8*d/tp) plus the fp32 log-sum-exp (4*heads/tp), four bf16 MLP hidden tensors (8*ffn/tp). Under FSDP
-    in bf16 the block's input and weights are bf16 (FSDP casts them), which saves 10*d less. float32:
-    norms 12*d + 4 each, attention 16*d/tp, MLP 16*ffn/tp.
+    the bf16 inputs of q/k/v and w1/w3 (6*d + 4*d, replicated over tp), attention q and output in bf16
+    (4*d/tp) and k and v with their grouped heads, not repeated per query head (4*kv/tp, ``kv`` the key/value
+    width ``kv_heads * head_dim``), plus the fp32 log-sum-exp (4*heads/tp), four bf16 MLP hidden tensors
+    (8*ffn/tp). Under FSDP in bf16 the block's input and weights are bf16 (FSDP casts them), which saves 10*d
+    less. float32: norms 12*d + 4 each, attention 8*(d + kv)/tp, MLP 16*ffn/tp.
     """
     d, f, h = m.dim, m.ffn, m.heads
+    kv = m.kv_heads * (d // h)
     if bf16:
-        per_token = (16 if fsdp else 26) * d + 8 * d / tp + 8 * f / tp + 8 + 4 * h / tp
+        per_token = (16 if fsdp else 26) * d + 4 * (d + kv) / tp + 8 * f / tp + 8 + 4 * h / tp
     else:
-        per_token = 24 * d + 16 * d / tp + 16 * f / tp + 8 + 4 * h / tp
+        per_token = 24 * d + 8 * (d + kv) / tp + 16 * f / tp + 8 + 4 * h / tp
     return int(tokens * per_token)
 
 

@@ -176,23 +176,27 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
 
     def init_weights(self, seed: int = 0) -> None:
-        """Deterministic init: each parameter draws from its own generator seeded by ``seed`` and its name.
-
-        Linear and embedding weights ~ N(0, 0.02), the two residual-out projections (``wo``, ``w2``) scaled
-        down by ``sqrt(2 * n_layers)`` (GPT-2), biases zero, norm weights one.
-        """
-        out_std = INIT_STD / math.sqrt(2 * self.args.n_layers)
+        """Deterministic init: each parameter gets ``initial_value`` of its name (see there), on its own device."""
         with torch.no_grad():
             for name, p in self.named_parameters():
-                gen = torch.Generator(device="cpu").manual_seed((seed * 1_000_003 + zlib.crc32(name.encode()))
-                                                                % (2**63))
-                if name.endswith("norm.weight"):
-                    p.fill_(1.0)
-                elif name.endswith(".bias"):
-                    p.zero_()
-                else:
-                    std = out_std if name.endswith(("wo.weight", "w2.weight")) else INIT_STD
-                    p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32).mul_(std).to(p.dtype))
+                p.copy_(self.initial_value(name, tuple(p.shape), seed).to(p.dtype))
+
+    def initial_value(self, name: str, shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
+        """The whole initial tensor of parameter ``name`` (float32, CPU), from a generator seeded by ``seed``
+        and the name alone, so any process holding any part of the model (a stage, a tp slice, an FSDP shard)
+        computes the same numbers for it.
+
+        Linear and embedding weights ~ N(0, 0.02), the two residual-out projections (``wo``, ``w2``) scaled
+        down by ``sqrt(2 * n_layers)`` (GPT-2), biases zero, norm weights one. Drawn on the CPU whatever the
+        target device: the CPU generator gives the same numbers on every machine and vendor.
+        """
+        if name.endswith("norm.weight"):
+            return torch.ones(shape)
+        if name.endswith(".bias"):
+            return torch.zeros(shape)
+        gen = torch.Generator(device="cpu").manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+        std = INIT_STD / math.sqrt(2 * self.args.n_layers) if name.endswith(("wo.weight", "w2.weight")) else INIT_STD
+        return torch.randn(shape, generator=gen, dtype=torch.float32).mul_(std)
 
     def _rope(self, seq_len: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # In float32 as HF does, then cast: angles of late positions lose precision in bf16.
@@ -285,9 +289,14 @@ def build_stage(family: str, args: ModelArgs | str, layer_ids: list[int], first:
     """One pipeline stage, equal to ``prune_to_stage(build_model(...), ...)`` but never holding the whole model.
 
     The model is laid out on the meta device, pruned, then only the stage's tensors are allocated on
-    ``device`` and initialised; init is per parameter name, so the weights are those of the full build.
+    ``device`` and initialised there one parameter at a time; init is per parameter name, so the weights are
+    those of the full build. With ``device="meta"`` the pruned stage is returned unallocated, for a caller that
+    splits it first (tensor parallelism, FSDP) and then allocates and initialises only its own parts
+    (``to_empty``, ``reset_buffers``, ``initial_value`` per parameter).
     """
     model = prune_to_stage(build_model(family, args, device="meta"), layer_ids, first, last)
+    if torch.device(device).type == "meta":
+        return model
     model = model.to_empty(device=torch.device(device))
     model.reset_buffers()
     model.init_weights(seed)

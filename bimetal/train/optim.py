@@ -33,13 +33,24 @@ def adamw_implementation(device_type: str) -> dict[str, bool]:
     return {"fused": True} if device_type == "cuda" else {"foreach": True}
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (norm gains and biases are not decayed)."""
+def build_optimizer(model: nn.Module, cfg: OptimConfig, device_type: str | None = None) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (norm gains and biases are not decayed).
+
+    ``device_type`` picks the implementation (default: that of the parameters' device); tests pass ``cuda`` on
+    the CPU to run the fused kernel, whose CPU build takes DTensor parameters the same way as the GPU one.
+    """
     params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    other = [p for p in params if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": other, "weight_decay": 0.0}]
-    impl = adamw_implementation(params[0].device.type if params else "cpu")
+    impl = adamw_implementation(device_type or (params[0].device.type if params else "cpu"))
+    groups: list[dict[str, Any]] = []
+    for members, decay in (([p for p in params if p.dim() >= 2], cfg.weight_decay),
+                           ([p for p in params if p.dim() < 2], 0.0)):
+        group: dict[str, Any] = {"params": members, "weight_decay": decay}
+        if len({isinstance(p, DTensor) for p in members}) > 1:
+            # tp without FSDP leaves norm weights plain tensors beside split (DTensor) qkv biases: the
+            # multi-tensor and fused kernels refuse a list that mixes the two, so this group updates one tensor
+            # at a time (the same arithmetic, only slower; it holds vectors, a small share of the update).
+            group |= {"foreach": False, "fused": False}
+        groups.append(group)
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **impl)
 
 

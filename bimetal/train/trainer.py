@@ -1,10 +1,12 @@
 """The training loop: one pipeline stage x one dp replica per rank.
 
-The stage is built in ``_build_stage``: the model part, activation checkpointing, then FSDP2 over the
-stage-local mesh when ``parallel.dp_shard`` > 1 (``parallelize``). Per step: ``grad_accum`` schedule runs
-(each over ``parallel.microbatches`` microbatches), gradient average over the dp group (done by FSDP's
-reduce-scatter/all-reduce in the backward when sharded), one global-norm clip over all stages and replicas,
-AdamW, lr schedule, metrics, checkpoint (one part per shard owner when sharded: ``shards``). Single-process
+The stage is built in ``_build_stage``: the model part laid out on the meta device, tensor parallelism,
+activation checkpointing, then FSDP2 over the stage-local mesh when ``parallel.dp_shard`` > 1
+(``parallelize``), and only then allocated on the rank's device and initialised (``materialize``). Per step:
+``grad_accum`` schedule runs (each over ``parallel.microbatches`` microbatches), gradient average over the dp
+group (done by FSDP's reduce-scatter/all-reduce in the backward when sharded), one global-norm clip over all
+stages and replicas, AdamW, lr schedule, metrics, checkpoint (one part per shard owner when sharded:
+``shards``). Single-process
 runs (pp=dp=1, no process group) use the same loop with a plain forward and the same microbatch split, so
 the two agree to float32 rounding.
 """
@@ -38,6 +40,7 @@ from bimetal.train.optim import average_gradients, build_optimizer, build_schedu
 from bimetal.train.parallelize import (
     apply_activation_checkpointing,
     apply_fsdp,
+    materialize,
     memory_bytes,
     set_gradient_sync,
     tensor_bytes,
@@ -223,9 +226,11 @@ def _build_stage(cfg: TrainConfig, ctx: Any, models: Any, args: Any, split: list
     Returns (model, stage module, tp mesh): the schedule (or the plain loop) runs the stage module, which under
     FSDP is the root FSDP module holding the model.
     """
-    # Only this stage's tensors are ever allocated (an 8B model would not fit 8 ranks' host memory whole).
+    # Laid out on the meta device and split there; then each rank allocates, on its device, only what it keeps
+    # (its stage, its tp slices, its FSDP shards: never the whole model nor the unsharded stage) and
+    # initialises it per parameter name, so every layout starts from the weights of one process.
     model = models.build_stage(cfg.model.family, args, stage_layer_ids(split, stage), stage == 0,
-                               stage == n_stages - 1, device=device, seed=cfg.model.seed)
+                               stage == n_stages - 1, device="meta")
     mesh = None
     if ctx is not None and ctx.tp_size > 1:  # under FSDP the tp dimension of the stage mesh, to compose
         mesh = smesh.tp_mesh if smesh is not None else tp_mesh(ctx.tp_group, device)
@@ -234,6 +239,7 @@ def _build_stage(cfg: TrainConfig, ctx: Any, models: Any, args: Any, split: list
     local = StageModule(model, amp, device.type, boundary_dtype(cfg.parallel.pp_boundary_dtype, amp))
     if smesh is not None:
         apply_fsdp(local, model, smesh.dp_mesh, pipelined=n_stages > 1, param_dtype=amp)
+    materialize(model, device, cfg.model.seed)
     return model, local, mesh
 
 

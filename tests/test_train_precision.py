@@ -38,14 +38,28 @@ def _rows(run: Path) -> dict[int, dict]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    out = {}
+    """Both jobs at once (each is mostly start-up: two CPUs serve two jobs' imports better than one)."""
+    out, procs = {}, {}
     for boundary in ("compute", "float32"):
         run = tmp_path_factory.mktemp(f"boundary-{boundary}") / "run"
-        r = subprocess.run([EXE, "train", "--config", str(DEMO), *ARGS, f"--parallel.pp_boundary_dtype={boundary}",
-                            f"--metrics.run_dir={run}", "--simulate", "nvidia:1,amd:1"],
-                           capture_output=True, text=True, timeout=240, cwd=run.parent)
-        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+        procs[boundary] = subprocess.Popen(
+            [EXE, "train", "--config", str(DEMO), *ARGS, f"--parallel.pp_boundary_dtype={boundary}",
+             f"--metrics.run_dir={run}", "--simulate", "nvidia:1,amd:1"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=run.parent)
         out[boundary] = run
+    try:
+        for boundary, proc in procs.items():
+            stdout, stderr = proc.communicate(timeout=240)
+            assert proc.returncode == 0, f"{boundary}: " + stdout[-2000:] + stderr[-3000:]
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:  # SIGTERM first: bimetal's launcher then stops its ranks itself
+                proc.terminate()
+                try:
+                    proc.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
     return out
 
 

@@ -8,8 +8,9 @@ block saves for its backward pass written out from what the dry-run measures on 
 embedding and output projection) and FSDP's ``dp_shard``; bf16 copies of the weights per microbatch in
 flight without FSDP; with FSDP the stage's gathered parameters (kept through the step under a pipeline)
 and float32 unsharded gradients accumulated between microbatches; activations per block per microbatch
-(flash attention, bf16 matmul inputs; float32 residual stream and norms under autocast, bf16 under FSDP);
-checkpointed blocks keep only their input.
+(flash attention with grouped key/value heads, bf16 matmul inputs; float32 residual stream and norms under
+autocast, bf16 under FSDP); checkpointed blocks keep only their input; receive buffers, stage outputs and the
+last stage's logits in the boundary dtype (bf16 when training in bf16 unless ``pp_boundary_dtype`` is float32).
 """
 
 from __future__ import annotations

@@ -127,7 +127,7 @@ def profile(model: str, seq: int, micro_batch: int, repeats: int = 5, threads: i
     parts = {p: time_part(m, p, seq, micro_batch, repeats, device) for p in PARTS}
     layer = parts["layer"]
     flops = cost.layer_flops_per_token(m, seq) * seq * micro_batch
-    act_bytes = micro_batch * seq * m.dim * 4  # the trainer's stage boundary is float32
+    act_bytes = micro_batch * seq * m.dim * 4  # float32: the profile times float32 parts, as the CPU trains
     return {"model": model, "family": m.family, "flavour": m.flavour, "seq": seq, "micro_batch": micro_batch,
             "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "threads": threads,
             "parts": parts, "boundary_bytes": act_bytes, "copy_gbps": copy_gbps(act_bytes, repeats),

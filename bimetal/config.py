@@ -54,6 +54,10 @@ class ParallelConfig:
     """Microbatches per optimizer step per replica (per accumulation step)."""
     pp_transport: str = transports.DEFAULT
     """Transport of pipeline groups that span vendors: ``cpu-forward``, ``device-direct`` or ``gloo``."""
+    pp_boundary_dtype: str = "compute"
+    """dtype of the activations and gradients that cross pipeline stages (and of the last stage's logits the
+    schedule holds): ``compute`` (bf16 when training in bf16, i.e. ``training.dtype`` bfloat16 or auto on a
+    GPU, else float32), or ``float32`` (twice the bytes; the residual stream is not rounded at a boundary)."""
     dp_transport: str = transports.DEFAULT
     """Transport of data-parallel groups that span vendors (with ``allow_cross_vendor_dp``), as ``pp_transport``."""
     homogeneous_backend: str = "native"
@@ -216,6 +220,9 @@ class TrainConfig:
         if p.microbatches < 1 or self.data.batch_size % p.microbatches:
             raise UserError(f"data.batch_size={self.data.batch_size} must be a multiple of "
                             f"parallel.microbatches={p.microbatches}.")
+        if p.pp_boundary_dtype not in ("compute", "float32"):
+            raise UserError(f"parallel.pp_boundary_dtype={p.pp_boundary_dtype!r} is unknown; use 'compute' or "
+                            "'float32'.")
         if self.training.dtype not in ("auto", "bfloat16", "float32"):
             raise UserError(f"training.dtype={self.training.dtype!r} is unknown; use auto, bfloat16 or float32.")
         if self.data.bin_dtype not in ("uint16", "uint32"):

@@ -22,10 +22,12 @@ pytestmark = pytest.mark.timeout(120)
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def assert_state_matches_dry_run(run: Path, config: Path, args: list[str], world: int) -> None:
+def assert_state_matches_dry_run(run: Path, config: Path, args: list[str], world: int, dtype: str = "float32"
+                                 ) -> None:
     """What a finished ``bimetal train`` run wrote in ``memory-rank<R>.json`` (parameter, gradient and AdamW
-    bytes read from each rank's tensors after its first step) against ``bimetal train --dry-run --json`` of
-    the same config and arguments in float32 (a simulated run trains in float32 on the CPU).
+    bytes read from each rank's tensors after its first step; with a pipeline, the bytes of the schedule's
+    receive buffers, read from them) against ``bimetal train --dry-run --json`` of the same config and
+    arguments in ``dtype`` (a simulated run trains in float32 on the CPU unless told otherwise).
 
     Under FSDP with a pipeline the JSON also holds what FSDP kept unsharded before the first step's last
     backward (gathered parameters, accumulated gradients), compared with the dry-run's terms. The dry-run
@@ -38,7 +40,7 @@ def assert_state_matches_dry_run(run: Path, config: Path, args: list[str], world
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        bimetal_main(["train", "--config", str(config), *args, "--training.dtype=float32", "--dry-run", "--json"])
+        bimetal_main(["train", "--config", str(config), *args, f"--training.dtype={dtype}", "--dry-run", "--json"])
     stages = json.loads(out.getvalue())["stages"]
     per_stage = world // len(stages)
     for s in stages:
@@ -47,6 +49,9 @@ def assert_state_matches_dry_run(run: Path, config: Path, args: list[str], world
         for ours, theirs in (("params", "params"), ("grads", "grads"), ("optimizer", "optim")):
             got = [r[theirs] for r in ranks]
             assert max(got) == s[ours] and min(got) >= 0.99 * s[ours], (s["stage"], ours, got, s[ours])
+        if len(stages) > 1:  # the receive buffers and the outputs held at once, in the boundary dtype, exactly
+            for key in ("recv_buffers", "held_outputs"):
+                assert [r[key] for r in ranks] == [s[key]] * len(ranks), (s["stage"], key, ranks, s[key])
         # Under FSDP with a pipeline the trainer also measured FSDP's unsharded buffers at the first step's last
         # backward (all-gather outputs are padded to whole shards: within 1 %).
         measured = [r for r in ranks if "gathered" in r]
@@ -62,7 +67,8 @@ def _planner_memory(cfg: TrainConfig) -> list[int]:
     mb = cfg.data.batch_size // p.microbatches
     plan = evaluate(load_spec(ROOT / p.cluster), cfg.model.flavour, cfg.data.seq_len, cfg.data.batch_size * p.dp,
                     p.pp, p.dp, p.tp, mb, p.pp_transport, split=p.layers_per_stage, dp_shard=p.dp_shard,
-                    ac=cfg.activation_checkpoint.mode, bf16=cfg.training.dtype != "float32")
+                    ac=cfg.activation_checkpoint.mode, bf16=cfg.training.dtype != "float32",
+                    boundary=cfg.parallel.pp_boundary_dtype)
     assert plan is not None and not plan.rejected, plan
     return plan.memory
 
@@ -93,6 +99,7 @@ def _assert_terms_match_planner(cfg: TrainConfig, stages: list[dict]) -> None:
     """Term for term: the planner's parts of each stage against the dry-run's (activations within 10 %, the
     parameter-state terms within 1 %: both count the same tensors, the planner without qkv biases)."""
     from bimetal.plan import cost
+    from bimetal.train.dryrun import boundary_size
 
     p = cfg.parallel
     m = cost.model_dims(cfg.model.flavour)
@@ -102,7 +109,7 @@ def _assert_terms_match_planner(cfg: TrainConfig, stages: list[dict]) -> None:
         est = cost.stage_memory(m, split[j], j == 0, j == p.pp - 1, p.tp, cfg.data.batch_size // p.microbatches,
                                 cfg.data.seq_len, s["in_flight"], p.dp_shard, cfg.activation_checkpoint.mode,
                                 cfg.activation_checkpoint.every, cfg.training.dtype != "float32",
-                                pipelined=p.pp > 1, backwards=p.microbatches)
+                                pipelined=p.pp > 1, backwards=p.microbatches, boundary_size=boundary_size(cfg))
         for k in PARTS:
             tol = 0.10 if k in ("activations", "transient") else 0.01
             assert abs(s[k] - est[k]) <= tol * max(s[k], 1), (j, k, s[k], est[k])
@@ -110,7 +117,7 @@ def _assert_terms_match_planner(cfg: TrainConfig, stages: list[dict]) -> None:
 
 @pytest.mark.parametrize("overrides", [
     [],
-    ["--parallel.dp_shard=1", "--activation_checkpoint.mode=full"],
+    ["--parallel.dp_shard=1", "--activation_checkpoint.mode=full", "--parallel.pp_boundary_dtype=float32"],
     ["--parallel.tp=4", "--parallel.dp=2", "--parallel.dp_shard=2", "--activation_checkpoint.mode=selective",
      "--training.dtype=float32"],
 ], ids=["as-written", "replicated-full-ac", "tp4-hsdp-selective-fp32"])
@@ -127,6 +134,10 @@ def test_qwen2_7b_report_matches_planner(overrides: list[str], capsys: pytest.Ca
     _assert_terms_match_planner(cfg, stages)
     if overrides[1:2] == ["--activation_checkpoint.mode=full"]:
         assert all(s["weight_copies"] == 0 or s["stage"] == 1 for s in stages)  # checkpointed blocks hold none
+        # A float32 boundary: float32 receive buffers of [mb, seq, dim] each way, the last stage's logits float32.
+        mb, seq = cfg.data.batch_size // cfg.parallel.microbatches, cfg.data.seq_len
+        assert stages[0]["recv_buffers"] == cfg.parallel.microbatches * mb * seq * 3584 * 4 // cfg.parallel.tp
+        assert stages[-1]["held_outputs"] == stages[-1]["in_flight"] * mb * seq * 152064 * 4
 
 
 def test_text_report_and_not_fitting(capsys: pytest.CaptureFixture[str]) -> None:

@@ -44,6 +44,33 @@ def test_gqa_equals_attention_with_repeated_kv_heads() -> None:
     assert gqa.get_parameter("layers.0.attention.wk.weight").shape == (TINY.n_kv_heads * hd, TINY.dim)
 
 
+def test_gqa_keeps_key_value_heads_grouped() -> None:
+    """SDPA takes the grouped heads itself (enable_gqa): nothing saved for the backward has a key/value tensor
+    repeated to the query heads; the output equals that of explicitly repeated heads bit for bit, the gradients
+    within float32 rounding (a group's key/value gradient is summed in another order)."""
+    block = build_model("llama3", TINY, seed=3).layers["0"].attention
+    b, s, hd = 2, 10, TINY.head_dim
+    x = torch.randn(b, s, TINY.dim, requires_grad=True)
+    cos, sin = torch.ones(s, hd), torch.zeros(s, hd)
+    shapes: list[tuple[int, ...]] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: shapes.append(tuple(t.shape)) or t, lambda t: t):
+        out = block(x, cos, sin)
+    assert (b, TINY.n_kv_heads, s, hd) in shapes and (b, TINY.n_heads, s, hd) in shapes  # k/v grouped, q whole
+    assert shapes.count((b, TINY.n_heads, s, hd)) == 2  # q and the attention output: no repeated k or v
+    out.sum().backward()
+    grads = [x.grad.clone(), *(p.grad.clone() for p in block.parameters())]
+    q = block.wq(x).view(b, s, -1, hd).transpose(1, 2)
+    k, v = (w(x).view(b, s, -1, hd).transpose(1, 2).repeat_interleave(2, dim=1) for w in (block.wk, block.wv))
+    ref = block.wo(torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+                   .reshape(b, s, -1))
+    x.grad = None
+    block.zero_grad()
+    ref.sum().backward()
+    assert torch.equal(out, ref)
+    for g, r in zip(grads, [x.grad, *(p.grad for p in block.parameters())]):  # summed over a group in another order
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-7)
+
+
 def test_causal_future_tokens_do_not_change_earlier_logits() -> None:
     m = build_model("qwen2", "debug")
     x = torch.randint(0, 258, (1, 16))

@@ -40,11 +40,13 @@ def test_activation_bubble_allreduce() -> None:
 def test_memory_per_stage() -> None:
     m = cost.MODELS["llama3-8b"]
     got = cost.stage_memory(m, 4, first=False, last=False, tp=1, micro_batch=1, seq=8192, in_flight=2)
-    # By hand: per token a block keeps 26*4096 + 8*4096 + 8*14336 + 8 + 4*32 = 254,088 bytes; the stage adds
-    # the RoPE tables (2 * 8192 * 128 * 4) and its float32 output; bf16 copies of the block matrices; AdamW
+    # By hand: per token a block keeps 26*4096 + 4*(4096 + 1024) + 8*14336 + 8 + 4*32 = 241,800 bytes (q and the
+    # attention output whole, k and v as 8 grouped heads of 128); the stage adds
+    # the RoPE tables (2 * 8192 * 128 * 4) and its output in bf16 (the boundary dtype); bf16 copies of the block
+    # matrices; AdamW
     # keeps a float32 step counter for each of the 4 x 9 parameter tensors.
     assert got["params"] == got["grads"] == (got["optimizer"] - 4 * 36) // 2 == 4 * 4 * m.layer_params
-    assert got["activations"] == 2 * (4 * 8192 * 254_088 + 8 * 8192 * 128 + 8192 * 4096 * 4)
+    assert got["activations"] == 2 * (4 * 8192 * 241_800 + 8 * 8192 * 128 + 8192 * 4096 * 2)
     assert got["weight_copies"] == 2 * 4 * 2 * (2 * 4096**2 + 2 * 4096 * 1024 + 3 * 4096 * 14336)
     assert got["gathered"] == got["unsharded_grads"] == 0
     assert got["transient"] == 0 and got["total"] == cost.stage_memory_bytes(m, 4, False, False, 1, 1, 8192, 2)
@@ -58,18 +60,22 @@ def test_memory_per_stage() -> None:
     assert sharded["params"] == 4 * -(-local // 8)
     assert sharded["gathered"] == 2 * local and sharded["unsharded_grads"] == 4 * local
     assert sharded["weight_copies"] == 0 and sharded["activations"] < got["activations"]
-    block = 16 * 4096 + 8 * 4096 // 2 + 8 * 14336 // 2 + 8 + 4 * 32 // 2
-    # The stage output the schedule holds is this tp rank's half; torch's stage keeps a float32 receive buffer
+    block = 16 * 4096 + 4 * (4096 + 1024) // 2 + 8 * 14336 // 2 + 8 + 4 * 32 // 2
+    # The stage output the schedule holds is this tp rank's half; torch's stage keeps a bf16 receive buffer
     # per microbatch (2 here) for the activation in and one for the gradient back, each a tp share.
-    assert sharded["activations"] == 2 * (4 * 8192 * block + 4 * 8192 * 128 + 8192 * 4096 * 4 // 2)
-    assert sharded["recv_buffers"] == 2 * 2 * 8192 * 4096 * 4 // 2 == got["recv_buffers"] // 2
+    assert sharded["activations"] == 2 * (4 * 8192 * block + 4 * 8192 * 128 + 8192 * 4096 * 2 // 2)
+    assert sharded["recv_buffers"] == 2 * 2 * 8192 * 4096 * 2 // 2 == got["recv_buffers"] // 2
+    # A float32 boundary (parallel.pp_boundary_dtype = "float32") doubles the buffers and the held output.
+    f32 = cost.stage_memory(m, 4, False, False, tp=1, micro_batch=1, seq=8192, in_flight=2, boundary_size=4)
+    assert f32["recv_buffers"] == 2 * got["recv_buffers"]
+    assert f32["activations"] - got["activations"] == 2 * 8192 * 4096 * 2
     one_mb = cost.stage_memory(m, 4, False, False, 2, 1, 8192, 1, dp_shard=8, backwards=1)
     assert one_mb["unsharded_grads"] == 0 and one_mb["gathered"] == 2 * local
     # Without a pipeline each block is resharded after its forward: two gathered blocks are transient.
     flat = cost.stage_memory(m, 4, False, False, 2, 1, 8192, 1, dp_shard=8, pipelined=False)
     assert flat["gathered"] == 0 and flat["transient"] == local // 4 * (2 * 2 + 2 + 4)
     full = cost.stage_memory(m, 4, False, False, 1, 1, 8192, 2, ac="full")
-    assert full["activations"] == 2 * (4 * 8192 * 4096 * 4 + 8 * 8192 * 128 + 8192 * 4096 * 4)
+    assert full["activations"] == 2 * (4 * 8192 * 4096 * 4 + 8 * 8192 * 128 + 8192 * 4096 * 2)
     # tp splits the vocabulary matrices too: the last stage's output projection is 1/tp per rank.
     last1 = cost.stage_memory(m, 1, False, True, 1, 1, 8192, 1)
     last2 = cost.stage_memory(m, 1, False, True, 2, 1, 8192, 1)

@@ -100,14 +100,15 @@ def single(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _pipelined_run(row: int, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, str, tuple[str, ...]]:
-    """Run scenario ``row`` once per session: (transport, run folder, stdout, layout arguments)."""
+    """Run scenario ``row`` once per session: (transport, run folder, stdout, layout arguments with the schedule)."""
     if IDS[row] not in _RUNS:
         transport, schedule, layout = SCENARIOS[row]
         if (why := _transport_missing(transport)) is not None:
             pytest.skip(f"transport {transport} not testable: {why}")
         run = tmp_path_factory.mktemp(f"pp-{IDS[row]}") / "run"
-        r = _train(run, f"--parallel.pp_transport={transport}", f"--parallel.schedule={schedule}", *layout,
-                   f"--checkpoint.export_hf={run / 'hf'}", simulate=True)
+        layout = (f"--parallel.schedule={schedule}", *layout)
+        r = _train(run, f"--parallel.pp_transport={transport}", *layout, f"--checkpoint.export_hf={run / 'hf'}",
+                   simulate=True)
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
         _RUNS[IDS[row]] = (transport, run, r.stdout, layout)
     return _RUNS[IDS[row]]
@@ -149,7 +150,8 @@ def test_pipeline_matches_single_process(single: Path, pipelined: tuple[str, Pat
 
 
 def test_state_bytes_per_rank_match_dry_run(pipelined: tuple[str, Path, str, tuple[str, ...]]) -> None:
-    # pp=2 x dp=2 replicated, and pp=2 x tp=2 (vocabulary matrices split too): as the dry-run counts them.
+    # pp=2 x dp=2 replicated, and pp=2 x tp=2 (vocabulary matrices split too): as the dry-run counts them, with
+    # the schedule's receive buffers and the outputs it held at once (GPipe: every microbatch's on stage 0).
     from test_dryrun import assert_state_matches_dry_run
 
     _, run, _, layout = pipelined

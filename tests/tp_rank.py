@@ -3,7 +3,9 @@
 Usage (under ``bimetal launch --simulate nvidia:2``): ``python tp_rank.py OUT_DIR``. Each rank builds the
 debug LLaMA-3 (untied, grouped-query attention) and the debug Qwen2 (tied embeddings, qkv bias) twice, splits
 one copy with ``apply_tp`` over the context's tp group, and compares loss, every gradient, the global norm,
-the collectives issued, and a checkpoint save/load against the single-device copy. Writes
+the collectives issued, and a checkpoint save/load against the single-device copy; a copy built as the trainer
+builds it (meta, split, ``materialize``) against the unsplit init, and the trainer's AdamW (foreach, and the
+fused kernel's CPU build) on the split model against torch's one-tensor-at-a-time AdamW. Writes
 ``OUT_DIR/rank<r>.json`` with one entry per check: ``{"case": ..., "ok": bool, "detail": str}``.
 Not collected by pytest (no ``test_`` prefix).
 """
@@ -25,9 +27,11 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 
 from bimetal import models
+from bimetal.config import OptimConfig
 from bimetal.parallel import ParallelDims, init_parallel
 from bimetal.train import checkpoint
-from bimetal.train.optim import clip_global_norm
+from bimetal.train.optim import build_optimizer, clip_global_norm
+from bimetal.train.parallelize import materialize
 from bimetal.train.tp import apply_tp, full_tensor, tp_mesh
 
 torch.set_num_threads(1)
@@ -74,6 +78,7 @@ def run_family(family: str, mesh, results: list[dict], folder: Path) -> None:
     check("split parameters", sorted(split) == sorted(expect_split), str(sorted(set(split) ^ set(expect_split))))
     if args.tie_embeddings:
         check("tie kept", tp.output.weight is tp.tok_embeddings.weight)
+    check_materialize_and_step(family, mesh, ref, x, y, check)
     for name, p in ref.named_parameters():
         g = full_tensor(got[name].grad)
         check(f"grad {name}", rel(g, p.grad) <= RTOL, f"rel {rel(g, p.grad):.2e}")
@@ -115,6 +120,44 @@ def run_family(family: str, mesh, results: list[dict], folder: Path) -> None:
     reload(whole)
     for name, p in whole.named_parameters():
         check(f"reloaded unsplit {name}", torch.equal(p.detach(), full_tensor(got[name].detach())))
+
+
+def check_materialize_and_step(family: str, mesh, ref: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
+                               check) -> None:
+    """As the trainer builds a stage: laid out on the meta device, split, then ``materialize``d; every rank's
+    slices are the unsplit init bit for bit (the tie kept). Then one step of the trainer's AdamW on the split
+    model, foreach and (the CPU build of) the fused kernel, against torch's one-tensor-at-a-time AdamW on the
+    same split weights and gradients."""
+    args = models.FLAVOURS[family]["debug"]
+    init = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    steps = {}
+    for impl in ("one-at-a-time", "cpu", "cuda"):  # build_optimizer on a CPU (foreach), on a GPU (fused)
+        lazy = apply_tp(models.build_stage(family, args, list(range(args.n_layers)), True, True, device="meta"), mesh)
+        materialize(lazy, torch.device("cpu"), 3)
+        params = dict(lazy.named_parameters())
+        check("materialized slices", sorted(params) == sorted(init) and all(
+            torch.equal(full_tensor(p.detach()), init[n]) for n, p in params.items()))
+        if args.tie_embeddings:
+            check("materialized tie kept", lazy.output.weight is lazy.tok_embeddings.weight)
+        F.cross_entropy(lazy(x).reshape(-1, args.vocab_size), y.reshape(-1)).backward()
+        opt = build_optimizer(lazy, OptimConfig(lr=1e-2), device_type="cpu" if impl == "one-at-a-time" else impl)
+        groups = [(g["foreach"], g["fused"]) for g in opt.param_groups]
+        if impl == "one-at-a-time":
+            for g in opt.param_groups:
+                g["foreach"] = False
+        else:
+            want = [(True, None) if impl == "cpu" else (None, True)] * 2
+            if family == "qwen2":  # no FSDP: plain norm weights beside split qkv biases in one group
+                want[1] = (False, False)
+            check(f"{impl} AdamW groups", groups == want, str(groups))
+        before = {n: _local(p).detach().clone() for n, p in params.items()}
+        opt.step()
+        steps[impl] = {n: _local(p).detach() for n, p in params.items()}
+        check(f"{impl} AdamW moved every slice", all(not torch.equal(steps[impl][n], before[n]) for n in params))
+    for impl in ("cpu", "cuda"):
+        for n, got in steps[impl].items():
+            ref_t = steps["one-at-a-time"][n]
+            check(f"{impl} AdamW step {n}", rel(got, ref_t) <= 1e-6, f"rel {rel(got, ref_t):.2e}")
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

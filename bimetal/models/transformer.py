@@ -1,7 +1,8 @@
 """Decoder-only transformer shared by LLaMA-3 and Qwen2, single-device and vendor-free.
 
 RMSNorm, RoPE (with optional LLaMA-3 frequency scaling), grouped-query attention through
-``F.scaled_dot_product_attention(is_causal=True)`` and a SwiGLU feed-forward. RoPE uses the Hugging Face
+``F.scaled_dot_product_attention(is_causal=True, enable_gqa=True)`` (key/value heads not repeated where a fused
+kernel takes them grouped) and a SwiGLU feed-forward. RoPE uses the Hugging Face
 "rotate half" layout (the two halves of a head are the pairs), so HF q/k weights load without a
 permutation. A pipeline stage is this same class with parts removed by ``prune_to_stage``: ``layers`` is a
 ``ModuleDict`` keyed by the global layer index, and ``tok_embeddings``, ``norm`` and ``output`` may be None.
@@ -48,6 +49,23 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-b, a), dim=-1)
 
 
+def _sdpa_takes_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether a fused SDPA kernel takes these grouped key/value heads as they are (``enable_gqa``).
+
+    Then key and value are never repeated per query head: ``n_heads / n_kv_heads`` times less memory for them,
+    in the forward and in what the backward keeps. The CPU's flash kernel takes groups (and gives the same bits
+    as repeated heads); on a GPU torch's own backend checks decide (flash takes groups; on some builds, ROCm's
+    memory-efficient kernel among them, none does, and grouped heads would fall to the unfused math kernel,
+    which repeats them anyway and materialises the attention matrix: there the heads are repeated here instead).
+    """
+    if q.device.type != "cuda":
+        return True
+    cuda = torch.backends.cuda
+    params = cuda.SDPAParams(q, k, v, None, 0.0, True, True)
+    return bool(cuda.can_use_flash_attention(params) or cuda.can_use_efficient_attention(params)
+                or cuda.can_use_cudnn_attention(params))
+
+
 class RMSNorm(nn.Module):
     """``x / rms(x) * weight``, computed in float32 and cast back (as HF does)."""
 
@@ -85,10 +103,11 @@ class Attention(nn.Module):
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         rep = q.shape[1] // k.shape[1]
-        if rep > 1:  # query head h reads key/value head h // rep
+        grouped = rep > 1 and _sdpa_takes_groups(q, k, v)
+        if rep > 1 and not grouped:  # query head h reads key/value head h // rep
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -157,23 +176,27 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
 
     def init_weights(self, seed: int = 0) -> None:
-        """Deterministic init: each parameter draws from its own generator seeded by ``seed`` and its name.
-
-        Linear and embedding weights ~ N(0, 0.02), the two residual-out projections (``wo``, ``w2``) scaled
-        down by ``sqrt(2 * n_layers)`` (GPT-2), biases zero, norm weights one.
-        """
-        out_std = INIT_STD / math.sqrt(2 * self.args.n_layers)
+        """Deterministic init: each parameter gets ``initial_value`` of its name (see there), on its own device."""
         with torch.no_grad():
             for name, p in self.named_parameters():
-                gen = torch.Generator(device="cpu").manual_seed((seed * 1_000_003 + zlib.crc32(name.encode()))
-                                                                % (2**63))
-                if name.endswith("norm.weight"):
-                    p.fill_(1.0)
-                elif name.endswith(".bias"):
-                    p.zero_()
-                else:
-                    std = out_std if name.endswith(("wo.weight", "w2.weight")) else INIT_STD
-                    p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32).mul_(std).to(p.dtype))
+                p.copy_(self.initial_value(name, tuple(p.shape), seed).to(p.dtype))
+
+    def initial_value(self, name: str, shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
+        """The whole initial tensor of parameter ``name`` (float32, CPU), from a generator seeded by ``seed``
+        and the name alone, so any process holding any part of the model (a stage, a tp slice, an FSDP shard)
+        computes the same numbers for it.
+
+        Linear and embedding weights ~ N(0, 0.02), the two residual-out projections (``wo``, ``w2``) scaled
+        down by ``sqrt(2 * n_layers)`` (GPT-2), biases zero, norm weights one. Drawn on the CPU whatever the
+        target device: the CPU generator gives the same numbers on every machine and vendor.
+        """
+        if name.endswith("norm.weight"):
+            return torch.ones(shape)
+        if name.endswith(".bias"):
+            return torch.zeros(shape)
+        gen = torch.Generator(device="cpu").manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+        std = INIT_STD / math.sqrt(2 * self.args.n_layers) if name.endswith(("wo.weight", "w2.weight")) else INIT_STD
+        return torch.randn(shape, generator=gen, dtype=torch.float32).mul_(std)
 
     def _rope(self, seq_len: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # In float32 as HF does, then cast: angles of late positions lose precision in bf16.
@@ -266,9 +289,14 @@ def build_stage(family: str, args: ModelArgs | str, layer_ids: list[int], first:
     """One pipeline stage, equal to ``prune_to_stage(build_model(...), ...)`` but never holding the whole model.
 
     The model is laid out on the meta device, pruned, then only the stage's tensors are allocated on
-    ``device`` and initialised; init is per parameter name, so the weights are those of the full build.
+    ``device`` and initialised there one parameter at a time; init is per parameter name, so the weights are
+    those of the full build. With ``device="meta"`` the pruned stage is returned unallocated, for a caller that
+    splits it first (tensor parallelism, FSDP) and then allocates and initialises only its own parts
+    (``to_empty``, ``reset_buffers``, ``initial_value`` per parameter).
     """
     model = prune_to_stage(build_model(family, args, device="meta"), layer_ids, first, last)
+    if torch.device(device).type == "meta":
+        return model
     model = model.to_empty(device=torch.device(device))
     model.reset_buffers()
     model.init_weights(seed)

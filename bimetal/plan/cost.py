@@ -8,8 +8,9 @@ block saves for its backward pass written out from what the dry-run measures on 
 embedding and output projection) and FSDP's ``dp_shard``; bf16 copies of the weights per microbatch in
 flight without FSDP; with FSDP the stage's gathered parameters (kept through the step under a pipeline)
 and float32 unsharded gradients accumulated between microbatches; activations per block per microbatch
-(flash attention, bf16 matmul inputs; float32 residual stream and norms under autocast, bf16 under FSDP);
-checkpointed blocks keep only their input.
+(flash attention with grouped key/value heads, bf16 matmul inputs; float32 residual stream and norms under
+autocast, bf16 under FSDP); checkpointed blocks keep only their input; receive buffers, stage outputs and the
+last stage's logits in the boundary dtype (bf16 when training in bf16 unless ``pp_boundary_dtype`` is float32).
 """
 
 from __future__ import annotations
@@ -88,9 +89,10 @@ def head_flops_per_token(m: ModelDims) -> float:
     return 6.0 * m.head_params
 
 
-def activation_bytes(micro_batch: int, seq: int, dim: int) -> int:
-    """Bytes crossing a pipeline boundary per microbatch each way, bf16: b*s*h*2."""
-    return micro_batch * seq * dim * 2
+def activation_bytes(micro_batch: int, seq: int, dim: int, size: int = 2) -> int:
+    """Bytes crossing a pipeline boundary per microbatch each way: b*s*h*size (bf16: 2, the trainer's boundary
+    when it trains in bf16; float32: 4)."""
+    return micro_batch * seq * dim * size
 
 
 def bubble_fraction(stages: int, microbatches: int) -> float:
@@ -109,16 +111,18 @@ def block_saved_bytes(m: ModelDims, tokens: int, tp: int, bf16: bool = True, fsd
     """Bytes one block keeps for its backward per microbatch of ``tokens`` on one tp rank (no weights).
 
     bf16 autocast: the residual x, its rsqrt and normalised copy in fp32 for both norms (8*d + 4 each),
-    the bf16 inputs of q/k/v and w1/w3 (6*d + 4*d, replicated over tp), attention q, k, v and output in bf16
-    (8*d/tp) plus the fp32 log-sum-exp (4*heads/tp), four bf16 MLP hidden tensors (8*ffn/tp). Under FSDP
-    in bf16 the block's input and weights are bf16 (FSDP casts them), which saves 10*d less. float32:
-    norms 12*d + 4 each, attention 16*d/tp, MLP 16*ffn/tp.
+    the bf16 inputs of q/k/v and w1/w3 (6*d + 4*d, replicated over tp), attention q and output in bf16
+    (4*d/tp) and k and v with their grouped heads, not repeated per query head (4*kv/tp, ``kv`` the key/value
+    width ``kv_heads * head_dim``), plus the fp32 log-sum-exp (4*heads/tp), four bf16 MLP hidden tensors
+    (8*ffn/tp). Under FSDP in bf16 the block's input and weights are bf16 (FSDP casts them), which saves 10*d
+    less. float32: norms 12*d + 4 each, attention 8*(d + kv)/tp, MLP 16*ffn/tp.
     """
     d, f, h = m.dim, m.ffn, m.heads
+    kv = m.kv_heads * (d // h)
     if bf16:
-        per_token = (16 if fsdp else 26) * d + 8 * d / tp + 8 * f / tp + 8 + 4 * h / tp
+        per_token = (16 if fsdp else 26) * d + 4 * (d + kv) / tp + 8 * f / tp + 8 + 4 * h / tp
     else:
-        per_token = 24 * d + 16 * d / tp + 16 * f / tp + 8 + 4 * h / tp
+        per_token = 24 * d + 8 * (d + kv) / tp + 16 * f / tp + 8 + 4 * h / tp
     return int(tokens * per_token)
 
 
@@ -136,15 +140,18 @@ def checkpointed_blocks(layers: int, ac: str, every: int) -> int:
 def stage_memory(m: ModelDims, layers: int, first: bool, last: bool, tp: int, micro_batch: int, seq: int,
                  in_flight: int, dp_shard: int = 1, ac: str = "none", ac_every: int = 2,
                  bf16: bool = True, pipelined: bool = True, backwards: int = 2,
-                 microbatches: int = 0) -> dict[str, int]:
+                 microbatches: int = 0, boundary_size: int = 0) -> dict[str, int]:
     """Per-GPU bytes of one stage by part (keys as the dry-run's report); ``total`` sums them.
 
     ``pipelined``: pp > 1 (FSDP then keeps the stage gathered through the step); ``backwards``: backward passes
     per gradient reduction (the microbatches; times ``grad_accum`` without a pipeline): more than one makes
     FSDP accumulate unsharded gradients. ``microbatches`` (default: ``backwards``): the schedule's, one
-    receive buffer each.
+    receive buffer each. ``boundary_size``: bytes per element at a stage boundary (receive buffers, the output
+    held until its gradient, the last stage's logits); 0 means the compute dtype's, the trainer's default
+    (``parallel.pp_boundary_dtype = "compute"``): 2 in bf16, 4 in float32.
     """
     microbatches = microbatches or backwards
+    bsize = boundary_size or (2 if bf16 else 4)
     tokens = micro_batch * seq
     mat = block_matrix_params(m) // tp
     block = mat + m.layer_params - block_matrix_params(m)  # norms are replicated over tp
@@ -163,11 +170,11 @@ def stage_memory(m: ModelDims, layers: int, first: bool, last: bool, tp: int, mi
     hd = m.dim // m.heads
     act = (layers - ckpt) * saved + ckpt * tokens * m.dim * size + 2 * seq * hd * size
     act += 8 * tokens if first else 0  # token ids saved by the embedding
-    if last:  # final norm, output input, fp32 log-softmax, targets; the fp32 logits a schedule holds
+    if last:  # final norm, output input, fp32 log-softmax, targets; the logits a schedule holds (boundary dtype)
         act += tokens * ((8 if low else 10 if bf16 else 12) * m.dim + 4 + 8)
-        act += (2 if pipelined else 1) * tokens * m.vocab * 4
+        act += tokens * m.vocab * 4 + (tokens * m.vocab * bsize if pipelined else 0)
     else:
-        act += tokens * m.dim * 4 // tp  # the stage output (float32, this tp rank's share) until its gradient
+        act += tokens * m.dim * bsize // tp  # the stage output (this tp rank's share) until its gradient
     transient = tokens * m.vocab * 4 if last else 0
     if ckpt:
         transient += saved + (0 if fsdp else copy)
@@ -182,8 +189,8 @@ def stage_memory(m: ModelDims, layers: int, first: bool, last: bool, tp: int, mi
             transient += 2 * unit * param_size
         unsharded_grads = 4 * (local + whole_emb) if backwards > 1 else 0
         transient += unit * (param_size + 4)
-    # torch's pipeline stage: a float32 receive buffer per microbatch, activations in and gradients back
-    recv = microbatches * tokens * m.dim * 4 // tp * ((not first) + (not last)) if pipelined else 0
+    # torch's pipeline stage: a receive buffer per microbatch in the boundary dtype, activations in, gradients back
+    recv = microbatches * tokens * m.dim * bsize // tp * ((not first) + (not last)) if pipelined else 0
     out = {"params": 4 * held, "grads": 4 * held + (0 if fsdp else 4 * whole_emb), "optimizer": 8 * held + 4 * tensors,
            "weight_copies": in_flight * copies, "gathered": gathered, "unsharded_grads": unsharded_grads,
            "recv_buffers": recv, "activations": in_flight * act, "transient": transient}
@@ -193,7 +200,8 @@ def stage_memory(m: ModelDims, layers: int, first: bool, last: bool, tp: int, mi
 
 def stage_memory_bytes(m: ModelDims, layers: int, first: bool, last: bool, tp: int, micro_batch: int,
                        seq: int, in_flight: int, dp_shard: int = 1, ac: str = "none", ac_every: int = 2,
-                       bf16: bool = True, pipelined: bool = True, backwards: int = 2, microbatches: int = 0) -> int:
+                       bf16: bool = True, pipelined: bool = True, backwards: int = 2, microbatches: int = 0,
+                       boundary_size: int = 0) -> int:
     """Per-GPU memory of one stage: parameter state, weight copies, FSDP buffers, activations, transients."""
     return stage_memory(m, layers, first, last, tp, micro_batch, seq, in_flight, dp_shard, ac, ac_every, bf16,
-                        pipelined, backwards, microbatches)["total"]
+                        pipelined, backwards, microbatches, boundary_size)["total"]

@@ -3,8 +3,8 @@
 The parts are what a pipeline stage is made of, built with ``bimetal.models.build_stage`` at the
 microbatch shape the trainer will run: one transformer block, the input embedding, and the head (final
 norm, output projection and the float32 cross-entropy). For each part the profile records the median
-forward, backward and optimizer-update seconds (AdamW with ``foreach=False`` and the gradient-norm sum,
-as the trainer does), plus the memcpy bandwidth of one stage-boundary activation (what a cpu-forward
+forward, backward and optimizer-update seconds (AdamW fused on a GPU, foreach on the CPU, and the
+gradient-norm sum, as the trainer does), plus the memcpy bandwidth of one stage-boundary activation (what a cpu-forward
 staging copy costs where "device" memory is host memory). The planner adds parts up per stage; a group
 with ``profile = "file.json"`` in a cluster spec uses the block's achieved FLOP/s. torch is imported
 lazily so that reading a profile needs no torch.
@@ -81,7 +81,7 @@ def time_part(m: cost.ModelDims, part: str, seq: int, micro_batch: int, repeats:
     decay = [p for p in stage.parameters() if p.dim() >= 2]
     other = [p for p in stage.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
-                            lr=1e-4, foreach=False)
+                            lr=1e-4, fused=(device != "cpu") or None, foreach=(device == "cpu") or None)  # as trained
 
     def update() -> None:
         sq = torch.zeros((), device=device)
@@ -127,7 +127,7 @@ def profile(model: str, seq: int, micro_batch: int, repeats: int = 5, threads: i
     parts = {p: time_part(m, p, seq, micro_batch, repeats, device) for p in PARTS}
     layer = parts["layer"]
     flops = cost.layer_flops_per_token(m, seq) * seq * micro_batch
-    act_bytes = micro_batch * seq * m.dim * 4  # the trainer's stage boundary is float32
+    act_bytes = micro_batch * seq * m.dim * 4  # float32: the profile times float32 parts, as the CPU trains
     return {"model": model, "family": m.family, "flavour": m.flavour, "seq": seq, "micro_batch": micro_batch,
             "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "threads": threads,
             "parts": parts, "boundary_bytes": act_bytes, "copy_gbps": copy_gbps(act_bytes, repeats),

@@ -116,9 +116,11 @@ def _net_gbps(g: NodeGroup, ranks_per_node: int) -> float:
 def evaluate(spec: ClusterSpec, model: str, seq: int, global_batch: int, pp: int, dp: int, tp: int,
              micro_batch: int, transport: str, split: list[int] | None = None, dp_shard: int = 1,
              ac: str = "none", bf16: bool = True, dp_transport: str = "", homogeneous: str = "native",
-             nics: str = "per-gpu") -> Plan | None:
+             nics: str = "per-gpu", boundary: str = "compute") -> Plan | None:
     """Predict one layout; None when the degrees do not tile the cluster. A plan over memory is returned
     with ``rejected`` set. ``bf16``: autocast compute (what plans are written for); False sizes float32.
+    ``boundary``: the trainer's ``parallel.pp_boundary_dtype`` (``compute``: bf16 activations and gradients
+    cross stages when ``bf16``; ``float32``), for the transfer times and the receive buffers.
 
     ``transport`` carries cross-vendor pipeline boundaries, ``dp_transport`` (default: the same) the
     cross-vendor parts of data-parallel groups; ``homogeneous="gloo"`` puts one-vendor pp and dp groups
@@ -153,7 +155,8 @@ def evaluate(spec: ClusterSpec, model: str, seq: int, global_batch: int, pp: int
     plan = Plan(model, seq, pp, dp, tp, micro_batch, mbs, transport, layers, [g.name for g in stage_groups],
                 dp_shard=dp_shard, ac=ac, dp_transport=dp_transport or transport, homogeneous=homogeneous,
                 nics=nics)
-    act = cost.activation_bytes(micro_batch, seq, m.dim) / tp
+    bsize = 2 if bf16 and boundary == "compute" else 4
+    act = cost.activation_bytes(micro_batch, seq, m.dim, bsize) / tp
     for j, g in enumerate(stage_groups):
         compute = _stage_time(m, g, layers[j], j == pp - 1, tp, tokens, seq)
         ckpt = cost.checkpointed_blocks(layers[j], ac, plan.ac_every)
@@ -177,7 +180,8 @@ def evaluate(spec: ClusterSpec, model: str, seq: int, global_batch: int, pp: int
         plan.stage_comm.append(comm)
         in_flight = min(mbs, pp - j)
         mem = cost.stage_memory_bytes(m, layers[j], j == 0, j == pp - 1, tp, micro_batch, seq, in_flight,
-                                      dp_shard, ac, plan.ac_every, bf16, pipelined=pp > 1, backwards=mbs)
+                                      dp_shard, ac, plan.ac_every, bf16, pipelined=pp > 1, backwards=mbs,
+                                      boundary_size=bsize)
         plan.memory.append(mem)
         if mem > g.memory_bytes * MEMORY_RESERVE and not plan.rejected:
             plan.rejected = (f"stage {j} needs {mem / 1e9:.1f} GB per GPU, over {MEMORY_RESERVE:.0%} of the "
@@ -185,7 +189,7 @@ def evaluate(spec: ClusterSpec, model: str, seq: int, global_batch: int, pp: int
     if tp > 1:
         g0 = stage_groups[0]
         # Megatron TP: 4 all-reduces of b*s*h per layer (2 forward, 2 backward).
-        full = cost.activation_bytes(micro_batch, seq, m.dim)
+        full = cost.activation_bytes(micro_batch, seq, m.dim, 2 if bf16 else 4)  # autocast's matmul outputs
         per_layer = 4 * cost.ring_allreduce_seconds(full, tp, g0.intra_gbps)
         plan.tp_comm = per_layer * max(layers)
     slot = max(c + x for c, x in zip(plan.stage_compute, plan.stage_comm)) + plan.tp_comm

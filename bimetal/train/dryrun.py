@@ -39,11 +39,15 @@ class StageMemory:
     unsharded_grads: int
     """FSDP: float32 unsharded gradients accumulated between microbatches until the last backward reduces them."""
     recv_buffers: int
-    """torch's pipeline stage: one float32 receive buffer per microbatch for activations (stage > 0) and for
-    gradients (stages before the last), each this tp rank's share, allocated once and kept."""
+    """torch's pipeline stage: one receive buffer per microbatch for activations (stage > 0) and for gradients
+    (stages before the last), in the boundary dtype (``parallel.pp_boundary_dtype``), each this tp rank's
+    share, allocated once and kept."""
     activations: int
     transient: int
     """The largest short-lived buffers: logits gradient, one recomputed block, FSDP's gather/reduce buffers."""
+    held_outputs: int = 0
+    """Of ``activations`` (not added again to the total): the stage outputs the schedule holds at once, one per
+    microbatch in flight until its gradient, in the boundary dtype (the last stage's logits; 0 without pp)."""
 
     @property
     def total(self) -> int:
@@ -77,6 +81,12 @@ def stage_devices(cfg: TrainConfig) -> list[tuple[str, int]]:
     return out
 
 
+def boundary_size(cfg: TrainConfig) -> int:
+    """Bytes per element at a stage boundary: bf16 (2) when training in bf16 with ``pp_boundary_dtype = "compute"``
+    (``auto`` counts as bf16: the dry-run sizes GPUs), else float32 (4)."""
+    return 2 if cfg.training.dtype != "float32" and cfg.parallel.pp_boundary_dtype == "compute" else 4
+
+
 def stage_memory(cfg: TrainConfig, stage: int, device: tuple[str, int] = ("unknown", 0)) -> StageMemory:
     """Measure one stage of ``cfg`` on the meta device (bf16 unless ``training.dtype`` is float32)."""
     from bimetal import models
@@ -99,7 +109,8 @@ def stage_memory(cfg: TrainConfig, stage: int, device: tuple[str, int] = ("unkno
     bf16 = cfg.training.dtype != "float32"
     fsdp = p.dp_shard > 1
     mb, seq = cfg.data.batch_size // p.microbatches, cfg.data.seq_len
-    m = measure_stage(model, p.tp, mb, seq, bf16, fsdp=fsdp)
+    size = boundary_size(cfg)
+    m = measure_stage(model, p.tp, mb, seq, bf16, fsdp=fsdp, boundary_size=size)
     c = param_bytes(model, p.tp, p.dp_shard)
     n = split[stage]
     ckpt = {"none": 0, "full": n, "selective": n // ac.every}[ac.mode]
@@ -124,12 +135,12 @@ def stage_memory(cfg: TrainConfig, stage: int, device: tuple[str, int] = ("unkno
         backwards = p.microbatches * (cfg.optim.grad_accum if p.pp == 1 else 1)
         unsharded_grads = 4 * (c.local + whole_emb) if backwards > 1 else 0
         transient += c.unit * (size + 4)  # one block's gradient and its float32 reduce-scatter input
-    boundary = mb * seq * args.dim * 4 // p.tp  # one float32 activation (or gradient) share at a stage boundary
+    boundary = mb * seq * args.dim * size // p.tp  # one activation (or gradient) share at a stage boundary
     recv = p.microbatches * boundary * ((stage > 0) + (stage < p.pp - 1)) if p.pp > 1 else 0
     grads = 4 * c.held + (0 if fsdp else 4 * whole_emb)
     return StageMemory(stage, n, in_flight, device[0], device[1], 4 * c.held, grads,
                        8 * c.held + 4 * c.tensors, in_flight * copies, gathered, unsharded_grads, recv,
-                       in_flight * act, transient)
+                       in_flight * act, transient, in_flight * m.output if p.pp > 1 else 0)
 
 
 def report(cfg: TrainConfig) -> list[StageMemory]:
@@ -148,7 +159,8 @@ def format_report(cfg: TrainConfig, stages: list[StageMemory]) -> str:
 
     dtype = "float32" if cfg.training.dtype == "float32" else (
         "bf16 (FSDP gathers bf16 weights)" if p.dp_shard > 1 else "bf16 autocast") + \
-        ", float32 master weights and AdamW"
+        ", float32 master weights and AdamW" + \
+        (f", stage boundary {'bf16' if boundary_size(cfg) == 2 else 'float32'}" if p.pp > 1 else "")
     lines = [f"dry run: {cfg.model.family}/{cfg.model.flavour} pp={p.pp} dp={p.dp} (shard {p.dp_shard}) tp={p.tp} "
              f"microbatch {cfg.data.batch_size // p.microbatches} x {cfg.data.seq_len} tokens, {p.schedule}, "
              f"{dtype}, activation checkpoint {ac.mode}" + (f" every {ac.every}" if ac.mode == "selective" else ""),
@@ -166,7 +178,7 @@ def format_report(cfg: TrainConfig, stages: list[StageMemory]) -> str:
     lines.append(f"limit = {MEMORY_RESERVE:.0%} of the device's memory; mb = microbatches in flight; "
                  "copies = bf16 weight copies autocast keeps per microbatch; gather = FSDP's unsharded parameters "
                  "kept through the step (pp > 1); ugrads = FSDP's unsharded float32 gradients accumulated between "
-                 "microbatches; recv = the pipeline's receive buffers, one per microbatch; "
+                 "microbatches; recv = the pipeline's receive buffers, one per microbatch, in the boundary dtype; "
                  "trans = short-lived peak buffers")
     return "\n".join(lines)
 

@@ -31,9 +31,13 @@ tensor autograd keeps for the backward pass are summed. What the trainer does, a
 * activation checkpointing keeps only the block input of a checkpointed block (``full``: every block;
   ``selective``: every ``every``-th block of the stage), and recomputes one block at a time in the backward;
 * microbatches in flight: 1F1B holds up to ``pp - stage`` forward passes, GPipe all of them; a stage's
-  output is held until its gradient returns (with tp: this rank's ``1/tp`` share, ``TPBoundary``);
-* torch's ``PipelineStage`` allocates, once, a float32 receive buffer per microbatch for the activation
-  (stages after the first) and for the gradient (stages before the last), each of a ``1/tp`` share;
+  output is held until its gradient returns (with tp: this rank's ``1/tp`` share, ``TPBoundary``), in the
+  boundary dtype (``parallel.pp_boundary_dtype``: bf16 when training in bf16 unless float32 is asked for),
+  the last stage's logits too; a bf16 activation received is widened to float32 for the stage's residual
+  stream (that copy is the first block's saved input, counted with the block);
+* torch's ``PipelineStage`` allocates, once, a receive buffer in the boundary dtype per microbatch for the
+  activation (stages after the first) and for the gradient (stages before the last), each of a ``1/tp``
+  share; the examples the stage is built from are meta tensors and hold nothing;
 * transient: the float32 gradient of the logits on the last stage, one recomputed block, FSDP's buffers.
 """
 
@@ -170,8 +174,11 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 def measure_stage(model: Any, tp: int, micro_batch: int, seq: int, bf16: bool,
                   loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = loss_fn,
-                  fsdp: bool = False) -> StageMeasure:
+                  fsdp: bool = False, boundary_size: int = 4) -> StageMeasure:
     """Measure ``model`` (a meta-device stage of the trainer's Transformer) for one microbatch of ``micro_batch``.
+
+    ``boundary_size``: bytes per element of the stage's output as the schedule holds it (2 for a bf16
+    boundary, 4 for float32).
 
     ``fsdp``: the stage runs under FSDP2, whose parameters (gathered) and block inputs are in the compute
     dtype: with ``bf16`` the modules and the residual stream inside the stage are bf16, and autocast finds
@@ -197,8 +204,8 @@ def measure_stage(model: Any, tp: int, micro_batch: int, seq: int, bf16: bool,
         with amp:
             blk = measure_saved(block, lambda: block(x, cos, sin), skip=(cos, sin))
         head = Saved()
-        # StageModule hands activations on in float32; with tp the schedule holds this rank's 1/tp share.
-        out_bytes = micro_batch * seq * args.dim * 4 // tp
+        # StageModule hands activations on in the boundary dtype; with tp the schedule holds this rank's 1/tp share.
+        out_bytes = micro_batch * seq * args.dim * boundary_size // tp
         grad = 0
         if first:
             emb = _fake(emb)
@@ -219,7 +226,8 @@ def measure_stage(model: Any, tp: int, micro_batch: int, seq: int, bf16: bool,
                 logits = torch.empty(micro_batch, seq, args.vocab_size, dtype=ldt, requires_grad=True)
                 ls = measure_saved(tail, lambda: loss(logits.float(), tgt))
             head = Saved(head.activations + t.activations + ls.activations, head.weight_copies + t.weight_copies)
-            out_bytes = grad = micro_batch * seq * args.vocab_size * 4
+            out_bytes = micro_batch * seq * args.vocab_size * boundary_size  # the logits, held until the backward
+            grad = micro_batch * seq * args.vocab_size * 4
     return StageMeasure(blk, micro_batch * seq * args.dim * size, 2 * seq * args.head_dim * size, head, out_bytes,
                         grad)
 

@@ -22,13 +22,36 @@ from bimetal.comm.hierarchical import hierarchical_all_reduce
 from bimetal.config import OptimConfig
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (norm gains and biases are not decayed)."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    other = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": other, "weight_decay": 0.0}]
-    # foreach=False keeps the CPU update order fixed, so runs are bit-for-bit repeatable.
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=False)
+def adamw_implementation(device_type: str) -> dict[str, bool]:
+    """How AdamW runs its update on ``device_type``: fused on GPUs, foreach (multi-tensor) elsewhere.
+
+    fused is one kernel per parameter group on CUDA and ROCm (DTensor parameters of FSDP2 and tp included);
+    on the CPU, where bimetal only simulates, foreach. Both are deterministic: the update of one element does
+    not depend on which other tensors share the call, so a stage updates its parameters exactly as the
+    whole model in one process does, and a resumed run repeats an uninterrupted one bit for bit.
+    """
+    return {"fused": True} if device_type == "cuda" else {"foreach": True}
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig, device_type: str | None = None) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (norm gains and biases are not decayed).
+
+    ``device_type`` picks the implementation (default: that of the parameters' device); tests pass ``cuda`` on
+    the CPU to run the fused kernel, whose CPU build takes DTensor parameters the same way as the GPU one.
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    impl = adamw_implementation(device_type or (params[0].device.type if params else "cpu"))
+    groups: list[dict[str, Any]] = []
+    for members, decay in (([p for p in params if p.dim() >= 2], cfg.weight_decay),
+                           ([p for p in params if p.dim() < 2], 0.0)):
+        group: dict[str, Any] = {"params": members, "weight_decay": decay}
+        if len({isinstance(p, DTensor) for p in members}) > 1:
+            # tp without FSDP leaves norm weights plain tensors beside split (DTensor) qkv biases: the
+            # multi-tensor and fused kernels refuse a list that mixes the two, so this group updates one tensor
+            # at a time (the same arithmetic, only slower; it holds vectors, a small share of the update).
+            group |= {"foreach": False, "fused": False}
+        groups.append(group)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **impl)
 
 
 def lr_factor(step: int, total: int, warmup: int, min_ratio: float) -> float:

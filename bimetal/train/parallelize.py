@@ -32,7 +32,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     checkpoint_wrapper,
 )
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from bimetal.config import ActivationCheckpointConfig
 
@@ -63,6 +63,28 @@ def apply_fsdp(stage_module: nn.Module, model: nn.Module, mesh: Any, pipelined: 
     for block in layers.values():
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
     fully_shard(stage_module, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
+
+
+def materialize(model: Any, device: torch.device, seed: int) -> None:
+    """Allocate a meta-device stage's own parts on ``device`` and give them their initial values, in place.
+
+    Called once tensor parallelism, activation checkpointing and FSDP have been applied to the stage on the
+    meta device, so a rank only ever allocates what it keeps (its tp slices, its FSDP shards) and never the
+    unsharded stage. Values are those of a plain build (``Transformer.initial_value``: the whole tensor from
+    a generator seeded by the parameter's name, on the CPU, one parameter at a time); a ``DTensor`` takes the
+    piece its placements give this rank, cut locally (``src_data_rank=None``: no communication), so every
+    split of the model (pp, tp, FSDP) starts from the same weights as one process.
+    """
+    model.to_empty(device=device)
+    model.reset_buffers()  # RoPE frequencies, and the tie of output and embedding if to_empty undid it
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            full = model.initial_value(param_name(name), tuple(p.shape), seed)
+            if isinstance(p, DTensor):
+                piece = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()
+                p.to_local().copy_(piece)
+            else:
+                p.copy_(full)
 
 
 def set_gradient_sync(module: nn.Module, sync: bool) -> None:

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
 from bimetal.errors import UserError
@@ -40,35 +41,56 @@ def stage_of_param(name: str, split: list[int]) -> int:
 
 
 class StageModule(nn.Module):
-    """What the schedule runs for one stage: the stage's model under autocast, float32 at the boundary.
+    """What the schedule runs for one stage: the stage's model under autocast, its output in the boundary dtype.
 
-    Activations cross stages in float32 whatever the compute dtype, so the tensors the schedule allocates
-    for receives have one fixed dtype and the residual stream is not rounded at a stage boundary.
+    ``boundary_dtype`` is what crosses a pipeline boundary, activations forward and their gradients back (the
+    gradient of a tensor has its dtype), and what the last stage's logits are held in until their backward:
+    bf16 under bf16 autocast by default (``parallel.pp_boundary_dtype = "compute"``: half the bytes of float32
+    on the cross-vendor link, as Megatron and torchtitan send), float32 on request. A received bf16 activation
+    is widened to float32 on entry, so the residual stream inside a stage stays float32 as in a one-process run
+    under autocast: a boundary adds one bf16 rounding of the activation and one of its gradient, nothing more.
+    Under FSDP the root casts the input to its ``param_dtype`` itself (every block computes in it), so no
+    widening is done there.
     """
 
-    def __init__(self, inner: nn.Module, autocast_dtype: torch.dtype | None, device_type: str) -> None:
+    def __init__(self, inner: nn.Module, autocast_dtype: torch.dtype | None, device_type: str,
+                 boundary_dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.inner = inner
-        self.autocast_dtype, self.device_type = autocast_dtype, device_type
+        self.autocast_dtype, self.device_type, self.boundary_dtype = autocast_dtype, device_type, boundary_dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.autocast_dtype is None:
             return self.inner(x)
+        if x.is_floating_point() and x.dtype != torch.float32 and not isinstance(self, FSDPModule):
+            x = x.float()
         with torch.autocast(self.device_type, dtype=self.autocast_dtype):
             out = self.inner(x)
-        return out.float()
+        return out.to(self.boundary_dtype)
+
+
+def boundary_dtype(setting: str, autocast_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype at a stage boundary for ``parallel.pp_boundary_dtype``: the compute dtype, or float32."""
+    return autocast_dtype if setting == "compute" and autocast_dtype is not None else torch.float32
+
+
+def _on_meta(example: torch.Tensor) -> torch.Tensor:
+    """Shape, dtype and requires_grad of ``example`` with no storage: the stage keeps only its metadata."""
+    return torch.empty(example.shape, dtype=example.dtype, device="meta").requires_grad_(example.requires_grad)
 
 
 def _tp_share(example: torch.Tensor, tp: int) -> torch.Tensor:
     """One tp rank's share of a boundary activation example (hidden dim split by ``tp``)."""
-    return torch.zeros(shard_stage_shape(tuple(example.shape), tp), dtype=example.dtype, device=example.device)
+    return torch.empty(shard_stage_shape(tuple(example.shape), tp), dtype=example.dtype, device="meta")
 
 
 class PipelineRunner:
     """One stage of a pipeline and its schedule; ``step`` runs forward+backward of all microbatches.
 
     With ``tp_mesh`` (tensor parallelism inside the stage) the activations that cross stages are this tp
-    rank's ``1/tp`` share (``TPBoundary``); the examples passed in are the full shapes.
+    rank's ``1/tp`` share (``TPBoundary``); the examples passed in are the full shapes. Only the examples'
+    shape, dtype and requires_grad are read (their dtype is the boundary's: the schedule allocates its receive
+    buffers from them); they are best made on the meta device, and only meta copies are kept here.
     """
 
     def __init__(self, module: nn.Module, stage: int, num_stages: int, group: dist.ProcessGroup | None,
@@ -85,13 +107,14 @@ class PipelineRunner:
             output_example = output_example if self.is_last else _tp_share(output_example, tp)
         # Explicit microbatch shapes: the schedule's own shape inference ships pickled objects between ranks.
         # The examples' requires_grad tells the stage which activations carry gradients back.
+        input_example, output_example = _on_meta(input_example), _on_meta(output_example)
         if not self.is_first and input_example.is_floating_point():
-            input_example = input_example.detach().requires_grad_(True)
+            input_example.requires_grad_(True)
         if output_example.is_floating_point():
-            output_example = output_example.detach().requires_grad_(True)
+            output_example.requires_grad_(True)
         # A StageModule is taken as it is: under FSDP it is the root FSDP module the schedule must see.
         self.module: nn.Module = (module if isinstance(module, StageModule)
-                                  else StageModule(module, autocast_dtype, device.type))
+                                  else StageModule(module, autocast_dtype, device.type, output_example.dtype))
         if tp > 1 and tp_mesh is not None:
             self.module = TPBoundary(self.module, tp_mesh, not self.is_first, not self.is_last)
         self.pipe_stage = MeteredStage(self.module, stage, num_stages, device, input_args=(input_example,),
@@ -109,9 +132,11 @@ class PipelineRunner:
     def step(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> torch.Tensor:
         """Run the schedule; returns the mean microbatch loss (a 0-d float tensor) on every stage."""
         losses: list[torch.Tensor] = []
-        kwargs: dict = {}
+        # return_outputs=False: otherwise the last stage keeps every microbatch's logits (output_chunks) until the
+        # next step and concatenates them into one more copy, [batch, seq, vocab], that nothing here reads.
+        kwargs: dict = {"return_outputs": False}
         if self.is_last:
-            kwargs = {"target": targets, "losses": losses}
+            kwargs |= {"target": targets, "losses": losses}
         if self.is_first:
             self.schedule.step(inputs, **kwargs)
         else:

@@ -45,6 +45,18 @@ class MeteredStage(PipelineStage):
         self.compute_s = 0.0
         self.fsdp_held: dict[str, int] | None = None
         """Under FSDP: what it held unsharded just before the first step's last backward (``memory-rank<R>.json``)."""
+        self.held_outputs = 0
+        """Most bytes of stage outputs the schedule held at once, read after each forward (``memory-rank<R>.json``):
+        outputs wait in torch's forward cache until their gradient (the last stage's logits until the loss's)."""
+
+    def recv_buffer_bytes(self) -> int:
+        """Bytes of the receive buffers torch's stage allocated (activations in, gradients back), read from them.
+
+        They exist once the first step has set the stage up, one per microbatch each way, and stay for the job.
+        """
+        infos = [*self.args_recv_info.values(), *self.grad_recv_info.values()]
+        return sum(i.buffer.numel() * i.buffer.element_size() for info in infos for i in info
+                   if isinstance(getattr(i, "buffer", None), torch.Tensor))
 
     def reset_counters(self) -> None:
         self.sent_bytes, self.recv_bytes, self.compute_s = 0, 0, 0.0
@@ -96,9 +108,15 @@ class MeteredStage(PipelineStage):
     def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
         t0 = time.perf_counter()
         try:
-            return super().forward_one_chunk(*args, **kwargs)
+            out = super().forward_one_chunk(*args, **kwargs)
         finally:
             self.compute_s += time.perf_counter() - t0
+        held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for outputs, _ in self.fwd_cache.values() for t in outputs if isinstance(t, torch.Tensor)}
+        held |= {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                 for t in self.output_chunks if isinstance(t, torch.Tensor)}
+        self.held_outputs = max(self.held_outputs, sum(held.values()))
+        return out
 
     def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
         t0 = time.perf_counter()

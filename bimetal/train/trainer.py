@@ -1,10 +1,12 @@
 """The training loop: one pipeline stage x one dp replica per rank.
 
-The stage is built in ``_build_stage``: the model part, activation checkpointing, then FSDP2 over the
-stage-local mesh when ``parallel.dp_shard`` > 1 (``parallelize``). Per step: ``grad_accum`` schedule runs
-(each over ``parallel.microbatches`` microbatches), gradient average over the dp group (done by FSDP's
-reduce-scatter/all-reduce in the backward when sharded), one global-norm clip over all stages and replicas,
-AdamW, lr schedule, metrics, checkpoint (one part per shard owner when sharded: ``shards``). Single-process
+The stage is built in ``_build_stage``: the model part laid out on the meta device, tensor parallelism,
+activation checkpointing, then FSDP2 over the stage-local mesh when ``parallel.dp_shard`` > 1
+(``parallelize``), and only then allocated on the rank's device and initialised (``materialize``). Per step:
+``grad_accum`` schedule runs (each over ``parallel.microbatches`` microbatches), gradient average over the dp
+group (done by FSDP's reduce-scatter/all-reduce in the backward when sharded), one global-norm clip over all
+stages and replicas, AdamW, lr schedule, metrics, checkpoint (one part per shard owner when sharded:
+``shards``). Single-process
 runs (pp=dp=1, no process group) use the same loop with a plain forward and the same microbatch split, so
 the two agree to float32 rounding.
 """
@@ -38,11 +40,12 @@ from bimetal.train.optim import average_gradients, build_optimizer, build_schedu
 from bimetal.train.parallelize import (
     apply_activation_checkpointing,
     apply_fsdp,
+    materialize,
     memory_bytes,
     set_gradient_sync,
     tensor_bytes,
 )
-from bimetal.train.pipeline import PipelineRunner, StageModule, stage_layer_ids
+from bimetal.train.pipeline import PipelineRunner, StageModule, boundary_dtype, stage_layer_ids
 from bimetal.train.shards import merge_loaded, part_name, to_local
 from bimetal.train.tokenizer import build_tokenizer
 from bimetal.train.tp import apply_tp, check_tp, tp_mesh
@@ -156,7 +159,8 @@ class _XvendorMeter:
 
 def _write_memory(run_dir: str, rank: int, sizes: dict[str, int]) -> None:
     """``memory-rank<R>.json``: bytes of parameters, gradients and optimizer state this rank holds (and, under
-    FSDP with a pipeline, FSDP's unsharded parameters and gradients at the first step's last backward)."""
+    FSDP with a pipeline, FSDP's unsharded parameters and gradients at the first step's last backward; with a
+    pipeline, the schedule's receive buffers and the most stage-output bytes it held at once in that step)."""
     import json
     from pathlib import Path
 
@@ -222,17 +226,20 @@ def _build_stage(cfg: TrainConfig, ctx: Any, models: Any, args: Any, split: list
     Returns (model, stage module, tp mesh): the schedule (or the plain loop) runs the stage module, which under
     FSDP is the root FSDP module holding the model.
     """
-    # Only this stage's tensors are ever allocated (an 8B model would not fit 8 ranks' host memory whole).
+    # Laid out on the meta device and split there; then each rank allocates, on its device, only what it keeps
+    # (its stage, its tp slices, its FSDP shards: never the whole model nor the unsharded stage) and
+    # initialises it per parameter name, so every layout starts from the weights of one process.
     model = models.build_stage(cfg.model.family, args, stage_layer_ids(split, stage), stage == 0,
-                               stage == n_stages - 1, device=device, seed=cfg.model.seed)
+                               stage == n_stages - 1, device="meta")
     mesh = None
     if ctx is not None and ctx.tp_size > 1:  # under FSDP the tp dimension of the stage mesh, to compose
         mesh = smesh.tp_mesh if smesh is not None else tp_mesh(ctx.tp_group, device)
         apply_tp(model, mesh)
     apply_activation_checkpointing(model, cfg.activation_checkpoint)
-    local = StageModule(model, amp, device.type)
+    local = StageModule(model, amp, device.type, boundary_dtype(cfg.parallel.pp_boundary_dtype, amp))
     if smesh is not None:
         apply_fsdp(local, model, smesh.dp_mesh, pipelined=n_stages > 1, param_dtype=amp)
+    materialize(model, device, cfg.model.seed)
     return model, local, mesh
 
 
@@ -253,12 +260,16 @@ def _run(cfg: TrainConfig, ctx: Any, smesh: Any, models: Any, args: Any, split: 
     mb, seq = cfg.data.batch_size // n_mb, cfg.data.seq_len
     runner = None
     if n_stages > 1:
-        hidden = torch.zeros(mb, seq, args.dim, device=device)
-        ids = torch.zeros(mb, seq, dtype=torch.long, device=device)
-        logits = torch.zeros(mb, seq, args.vocab_size, device=device)
+        # Shapes and dtypes only (meta: no storage; a real [mb, seq, vocab] float32 example of an 8B model at
+        # seq 8192 held 4.2 GB for the whole job): the boundary's dtype, and the last stage's logits in it too.
+        edt = local.boundary_dtype
+        hidden = torch.empty(mb, seq, args.dim, dtype=edt, device="meta")
+        ids = torch.empty(mb, seq, dtype=torch.long, device="meta")
+        logits = torch.empty(mb, seq, args.vocab_size, dtype=edt, device="meta")
         runner = PipelineRunner(local, stage, n_stages, ctx.pp_group, n_mb, cfg.parallel.schedule, _loss_fn,
                                 device, ids if stage == 0 else hidden, logits if stage == n_stages - 1 else hidden,
                                 autocast_dtype=amp, tp_mesh=mesh)
+        del hidden, ids, logits
     folder = cfg.checkpoint.folder or f"{cfg.metrics.run_dir}/checkpoints"
     meta = {"family": family, "flavour": cfg.model.flavour, "layers_per_stage": split, "dp": dp_size,
             "dp_shard": cfg.parallel.dp_shard, "tp": cfg.parallel.tp}
@@ -344,7 +355,9 @@ def _run(cfg: TrainConfig, ctx: Any, smesh: Any, models: Any, args: Any, split: 
         sched.step()
         if step == start:
             held = runner.pipe_stage.fsdp_held if runner is not None else None  # FSDP's unsharded buffers
-            _write_memory(cfg.metrics.run_dir, rank, memory_bytes(model, opt) | (held or {}))
+            st = runner.pipe_stage if runner is not None else None
+            pipe = {"recv_buffers": st.recv_buffer_bytes(), "held_outputs": st.held_outputs} if st is not None else {}
+            _write_memory(cfg.metrics.run_dir, rank, memory_bytes(model, opt) | (held or {}) | pipe)
         loss_t = (loss_sum / cfg.optim.grad_accum).reshape(1)
         if dp_size > 1:
             with _during(rank, step + 1, "loss all-reduce", dp_name):

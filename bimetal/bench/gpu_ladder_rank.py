@@ -35,7 +35,7 @@ from bimetal.config import TrainConfig, load_config
 from bimetal.models import FLAVOURS, build_model, build_stage, prune_to_stage
 from bimetal.train.data import TokenStream, load_tokens
 from bimetal.train.optim import build_optimizer, clip_global_norm
-from bimetal.train.pipeline import PipelineRunner, StageModule, stage_layer_ids
+from bimetal.train.pipeline import PipelineRunner, StageModule, boundary_dtype, stage_layer_ids
 from bimetal.train.tokenizer import build_tokenizer
 from bimetal.train.trainer import _loss_fn as loss_fn  # the trainer's own loss, so every configuration is its math
 from bimetal.transports import CPU_FORWARD, DEVICE_DIRECT, HOST_COPY, IDEAL
@@ -144,7 +144,7 @@ class Rank:
         the link's parts: Gloo host-to-host for one boundary message, the copies, a small message's latency."""
         s, a = self.s, self.args
         mb, seq = s["mb_size"], s["seq"]
-        local = StageModule(self.model, self.amp, self.dev.type)
+        local = self._stage_module(self.model)
         if self.stage == 0:
             x = torch.randint(0, 256, (mb, seq), device=self.dev)
         else:
@@ -197,6 +197,11 @@ class Rank:
                 v.copy_(self.init[k])
         model.zero_grad(set_to_none=True)
 
+    def _stage_module(self, model: torch.nn.Module) -> StageModule:
+        """The trainer's stage wrapper with the trainer's boundary dtype (``parallel.pp_boundary_dtype``)."""
+        edt = boundary_dtype(self.cfg.parallel.pp_boundary_dtype, self.amp)
+        return StageModule(model, self.amp, self.dev.type, edt)
+
     def run(self, key: str, rnd: int, profile: bool = False) -> dict[str, Any]:
         s = self.s
         dist.barrier()
@@ -216,17 +221,18 @@ class Rank:
         opt = build_optimizer(model, self.cfg.optim)
         stream = TokenStream(self.tokens, s["seq"], s["mb_size"] * s["microbatches"], seed=s["seed"],
                              vocab_size=self.args.vocab_size)
-        local = StageModule(model, self.amp, self.dev.type)
+        local = self._stage_module(model)
         runner = None
         n_mb, mb, seq = s["microbatches"], s["mb_size"], s["seq"]
         if key != "a":
-            hidden = torch.zeros(mb, seq, self.args.dim, device=self.dev, dtype=self.boundary_dtype)
-            ids = torch.zeros(mb, seq, dtype=torch.long, device=self.dev)
-            logits = torch.zeros(mb, seq, self.args.vocab_size, device=self.dev)
+            # shapes and dtypes only, as the trainer gives them (meta: no storage held)
+            hidden = torch.empty(mb, seq, self.args.dim, device="meta", dtype=self.boundary_dtype)
+            ids = torch.empty(mb, seq, dtype=torch.long, device="meta")
+            logits = torch.empty(mb, seq, self.args.vocab_size, device="meta", dtype=self.boundary_dtype)
             runner = PipelineRunner(local, self.stage, 2, group, n_mb, "1f1b", loss_fn, self.dev,
                                     ids if self.stage == 0 else hidden, logits if self.last else hidden,
                                     autocast_dtype=self.amp)
-            del logits
+            del hidden, ids, logits
         wire0 = _wire_bytes(group)
         times, losses, sent = [], [], []
         prof = None

@@ -16,7 +16,7 @@ from bimetal.topology.records import ClusterView, NicInfo, RankRecord, TopologyE
 def _record(rank: int = 0, **changes) -> RankRecord:
     base = dict(rank=rank, local_rank=rank % 2, host=f"node{rank // 2}", vendor="nvidia" if rank < 2 else "amd",
                 device="NVIDIA H200", memory_bytes=141 * 2**30,
-                nics=(NicInfo("eth0", "10.0.0.1"), NicInfo("eth1", "10.0.1.1")))
+                nics=(NicInfo("eth0", "10.0.0.1", 24), NicInfo("eth1", "10.0.1.1", 24)))
     base.update(changes)
     return RankRecord(**base)
 
@@ -25,7 +25,8 @@ def test_round_trip_is_plain_json() -> None:
     rec = _record(3)
     text = rec.to_json()
     payload = json.loads(text)
-    assert payload["version"] == 1 and payload["nics"][1] == {"name": "eth1", "address": "10.0.1.1"}
+    assert payload["version"] == 2 and payload["nics"][1] == {"name": "eth1", "address": "10.0.1.1", "prefix": 24}
+    assert payload["bimetal"] and payload["torch"] and payload["wire"]["cpu-forward"] >= 1
     assert RankRecord.from_json(text, expected_rank=3) == rec
 
 
@@ -38,9 +39,12 @@ def test_round_trip_is_plain_json() -> None:
         (lambda p: p.update(memory_bytes=True), "'memory_bytes'"),
         (lambda p: p.update(rank=5), "'rank' says 5"),
         (lambda p: p.update(extra="x"), "'extra' is not a known field"),
-        (lambda p: p.update(version=2), "'version'"),
-        (lambda p: p.update(nics=[{"name": "eth0", "address": "not-an-ip"}]), "'nics[0].address'"),
-        (lambda p: p.update(nics=[{"name": "a/b", "address": "10.0.0.1"}]), "'nics[0].name'"),
+        (lambda p: p.update(nics=[{"name": "eth0", "address": "10.0.0.1", "prefix": 33}]), "'nics[0].prefix'"),
+        (lambda p: p.update(torch=""), "'torch'"),
+        (lambda p: p.update(device_index=-2), "'device_index'"),
+        (lambda p: p.update(nics=[{"name": "eth0", "address": "not-an-ip", "prefix": 24}]), "'nics[0].address'"),
+        (lambda p: p.update(nics=[{"name": "a/b", "address": "10.0.0.1", "prefix": 24}]), "'nics[0].name'"),
+        (lambda p: p.update(nics=[{"name": "eth0", "address": "10.0.0.1"}]), "'nics[0].prefix' is missing"),
         (lambda p: p.update(nics="eth0"), "'nics'"),
         (lambda p: p.update(device=""), "'device'"),
     ],
@@ -64,7 +68,7 @@ def test_cluster_view_checks_consistency() -> None:
     view = ClusterView([_record(r) for r in (2, 0, 3, 1)])
     assert view.world_size == 4 and view.hosts == ["node0", "node1"] and view.vendors == ["nvidia", "amd"]
     assert view.ranks_on("node1") == [2, 3] and view.vendor_of(2) == "amd" and view.is_mixed()
-    assert "eth1=10.0.1.1" in view.format_table()
+    assert "eth1=10.0.1.1/24" in view.format_table()
     with pytest.raises(TopologyError, match="ranks 0..2 once each"):
         ClusterView([_record(0), _record(1), _record(3)])
     with pytest.raises(TopologyError, match="both claim local rank 0"):

@@ -131,3 +131,45 @@ def test_malformed_record_stops_every_rank_with_the_same_sentence() -> None:
     messages = {str(e) for e in results}
     assert all(isinstance(e, TopologyError) for e in results)
     assert len(messages) == 1 and "rank 1" in messages.pop()
+
+
+# -- versions: what the ranks' software must agree on ---------------------------------------------------------
+def test_an_older_bimetals_record_is_refused_in_one_sentence() -> None:
+    """Rank 1 publishes what bimetal 0.1.0's first record version looked like (no device index, prefixes or
+    versions): every rank stops saying that rank 1 runs an older bimetal, not that a field is unknown."""
+    old = {"version": 1, "rank": 1, "local_rank": 1, "host": "node0", "vendor": "amd", "device": "MI300X",
+           "memory_bytes": 0, "nics": [{"name": "eth0", "address": "10.0.0.1"}]}
+    results = _exchange_all([_record(0).to_json(), json.dumps(old)], 2)
+    assert all(isinstance(e, TopologyError) for e in results)
+    assert {str(e) for e in results} == {"rank 1 published a version-1 topology record but this bimetal (0.1.0) reads "
+                                         "version 2: rank 1 runs an older bimetal; install one bimetal release on "
+                                         "every node."}
+
+
+def test_version_skew_names_two_ranks_and_their_versions() -> None:
+    results = _exchange_all([_record(0).to_json(), _record(1, bimetal="0.0.9").to_json(), _record(2).to_json()], 3)
+    assert {str(e) for e in results} == {"ranks 0 and 1 run different bimetal versions (rank 0: 0.1.0, rank 1: "
+                                         "0.0.9); install one bimetal release on every node."}
+
+
+def test_vendor_builds_of_one_torch_release_agree_and_other_releases_do_not() -> None:
+    agree = [_record(0, torch="2.6.0+cu124"), _record(1, torch="2.6.0+rocm6.2"), _record(2, torch="2.6.1"),
+             _record(3, torch="2.6.0a0+git1234")]
+    assert ClusterView(agree).world_size == 4
+    with pytest.raises(TopologyError) as caught:
+        ClusterView([_record(0, torch="2.6.0+cu124"), _record(1, torch="2.7.0+rocm6.3")])
+    assert str(caught.value).startswith("ranks 0 and 1 run different torch releases (rank 0: 2.6.0+cu124, rank 1: "
+                                        "2.7.0+rocm6.3)")
+    with pytest.raises(TopologyError, match=r"^ranks 0 and 1 speak different transport protocol versions"):
+        ClusterView([_record(0), _record(1, wire={"cpu-forward": 99, "device-direct": 1})])
+
+
+def test_device_direct_refuses_two_engine_releases() -> None:
+    from bimetal.topology.versions import engine_mismatch
+
+    assert engine_mismatch([0, 4], ["0.3.13", "0.3.13.post1"]) is None  # a post-release repackages the same code
+    assert engine_mismatch([0, 4], ["0.3.13", ""]) is None  # no engine on rank 4: its start fails, policy speaks
+    assert engine_mismatch([0, 4, 5], ["0.3.13", "0.3.13", "0.3.12"]) == (
+        "ranks 0 and 5 run different Mooncake transfer engine releases (rank 0: 0.3.13, rank 5: 0.3.12); "
+        "device-direct needs one engine release on both ends: install the same version of the engine wheel for "
+        "each node's torch build.")

@@ -148,3 +148,35 @@ def test_a_member_missing_a_named_interface_stops_the_others_too(monkeypatch: py
     store.set("t/cand/1", json.dumps({"host": "amd", "error": "BIMETAL_IFACES names ib0 but host amd has none"}))
     with pytest.raises(reach.UnreachableError, match="^BIMETAL_IFACES names ib0 but host amd has none$"):
         reach.agree(store, 0, 2, lambda: [NicInfo("lo", "127.0.0.1", 8)], 0, 1, "t", timedelta(seconds=20))
+
+
+def test_the_world_group_follows_gloo_socket_ifname(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bimetal creates the world with ``init_process_group``, whose Gloo binds to ``GLOO_SOCKET_IFNAME``: an
+    interface that does not exist fails the world at once, naming it (one rank, in this process)."""
+    import socket
+
+    from bimetal.parallel.context import _init_world
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for name, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port)), ("RANK", "0"), ("WORLD_SIZE", "1"),
+                        ("GLOO_SOCKET_IFNAME", "nosuchnic9")):
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    with pytest.raises(RuntimeError, match="nosuchnic9"):
+        _init_world("gloo", timedelta(seconds=10))
+    assert not dist.is_initialized()
+
+
+def test_the_config_key_takes_names_and_patterns(monkeypatch: pytest.MonkeyPatch) -> None:
+    from bimetal.config import load_config
+    from bimetal.topology.interfaces import named_interfaces
+
+    cfg = load_config(None, ["--parallel.interfaces=ib*,ens1f0np0"])
+    assert cfg.parallel.interfaces == ["ib*", "ens1f0np0"]
+    monkeypatch.setenv("BIMETAL_IFACES", "eth0")  # file or command line beat the environment
+    assert named_interfaces(cfg.parallel.interfaces) == (["ib*", "ens1f0np0"], "parallel.interfaces")
+    assert named_interfaces([]) == (["eth0"], "BIMETAL_IFACES")
+    with pytest.raises(UserError, match=r"parallel.interfaces=\['eth0/1'\] holds 'eth0/1', which is no interface"):
+        load_config(None, ["--parallel.interfaces=eth0/1"])

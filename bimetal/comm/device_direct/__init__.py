@@ -15,9 +15,10 @@ Registered as ``bimetal_device_direct`` (``bimetal.comm.registry``); this packag
 Options (``DeviceDirectOptions`` or a dict of its fields as ``pg_options``, else env): ``host`` /
 ``BIMETAL_DD_HOST``, ``protocol`` / ``BIMETAL_DD_PROTOCOL``, ``engine`` / ``BIMETAL_DD_ENGINE``, ``chunk_bytes`` /
 ``BIMETAL_DD_CHUNK_BYTES``, ``slots`` / ``BIMETAL_DD_SLOTS``, ``window`` / ``BIMETAL_DD_WINDOW``, ``inline_bytes``
-/ ``BIMETAL_DD_INLINE_BYTES``, ``fallback`` / ``BIMETAL_DD_FALLBACK``, ``device`` / ``BIMETAL_DD_DEVICE``. The host
-defaults to this rank's own NIC: NIC number ``LOCAL_RANK`` of the node (one NIC per GPU), else the first NIC,
-else loopback.
+/ ``BIMETAL_DD_INLINE_BYTES``, ``fallback`` / ``BIMETAL_DD_FALLBACK``, ``device`` / ``BIMETAL_DD_DEVICE``,
+``allowed_interfaces`` (``parallel.interfaces``, else ``BIMETAL_IFACES``). The host defaults to this rank's own
+interface among those the group's members agree on (``bimetal.topology.reach``: candidates sharing a subnet
+with the peers, local rank i taking the i-th), proven reachable by every member before the engine starts.
 """
 
 from __future__ import annotations

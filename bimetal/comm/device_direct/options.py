@@ -88,7 +88,7 @@ class DeviceDirectOptions:
     """Options of a device-direct group (``pg_options`` of ``dist.new_group``); ``None``: env var, else default."""
 
     host: str | None = None
-    """``BIMETAL_DD_HOST``; default: NIC ``LOCAL_RANK`` of the node, else the first NIC, else loopback."""
+    """``BIMETAL_DD_HOST``; default: this rank's interface among those the members agree on at group creation."""
     protocol: str | None = None
     """``BIMETAL_DD_PROTOCOL``: ``rdma``, ``tcp`` or ``auto`` (default)."""
     engine: str | None = None

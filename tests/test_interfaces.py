@@ -93,6 +93,17 @@ def test_the_cluster_view_shows_each_ranks_gpu_and_chosen_interfaces() -> None:
     rows = [line.split() for line in view.format_table().splitlines()[2:]]
     assert [(r[0], r[4], r[7]) for r in rows] == [("0", "cuda:0", "eth0"), ("1", "cuda:1", "eth1"),
                                                   ("2", "cuda:0", "eth0"), ("3", "cuda:1", "eth1")]
+    # one list for both kinds of node: an entry that only the other node has is fine, one no node has is a typo
+    from dataclasses import replace
+
+    from bimetal.topology.records import TopologyError
+
+    ClusterView(records[:2] + [replace(r, named=("eth2", "eth1")) for r in records[2:]])  # eth2: nv's only
+    with pytest.raises(TopologyError) as caught:
+        ClusterView(records[:3] + [replace(records[3], named=("eth0", "eht1"))])
+    assert str(caught.value) == ("the interface list of rank 3 (host amd) names eht1, which matches no interface on "
+                                 "any node of this job; fix the name in parallel.interfaces or BIMETAL_IFACES (each "
+                                 "node uses the listed interfaces it has).")
 
 
 # -- the start-up check, over a real TCPStore and real sockets ---------------------------------------------

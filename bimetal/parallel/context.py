@@ -20,12 +20,10 @@ import torch
 import torch.distributed as dist
 
 from bimetal.comm.registry import CPU_FORWARD, DEVICE_DIRECT
-from bimetal.errors import UserError
 from bimetal.parallel.groups import GroupSpec, create_groups, format_group_table, plan_groups
 from bimetal.parallel.layout import Layout, ParallelDims, plan_layout
 from bimetal.topology import store_exchange
 from bimetal.topology.exchange import exchange_topology
-from bimetal.topology.interfaces import named_interfaces, unmatched
 from bimetal.topology.local_device import bind_rank_device
 from bimetal.topology.records import ClusterView
 from bimetal.topology.vendor import detect_vendor, is_simulated
@@ -160,15 +158,6 @@ def transport_options(interfaces: Sequence[str] | None) -> dict[str, Any]:
             DEVICE_DIRECT: DeviceDirectOptions(allowed_interfaces=list(interfaces))}
 
 
-def _check_named_interfaces(view: ClusterView, interfaces: Sequence[str] | None) -> None:
-    """A name (or pattern) in the interface list that no node has is a typo: refused, not skipped in silence."""
-    names, source = named_interfaces(interfaces)
-    missing = unmatched(names, [n.name for r in view.records for n in r.nics])
-    if missing:
-        raise UserError(f"{source} names {', '.join(missing)}, which matches no interface on any node of this job; "
-                        "fix the name (each node uses the listed interfaces it has).")
-
-
 def _table_stripes() -> tuple[int, list[str]]:
     """Stripes per cpu-forward group and the interfaces named per stripe, for the cluster view's 'uses' column."""
     from bimetal.comm.striping import CpuForwardOptions
@@ -195,7 +184,6 @@ def init_parallel(
     rank, world = dist.get_rank(), dist.get_world_size()
     store = dist.distributed_c10d._get_default_store()
     view = exchange_topology(store, rank, world, timeout, interfaces=interfaces)
-    _check_named_interfaces(view, interfaces)
     layout = plan_layout(view, dims)
     specs = plan_groups(view, layout, transports, simulated=is_simulated())
     if print_table and rank == 0:

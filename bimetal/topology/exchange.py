@@ -19,7 +19,7 @@ import torch.distributed as dist
 from bimetal import env
 from bimetal.errors import UserError
 from bimetal.topology import local_device, store_exchange, versions
-from bimetal.topology.interfaces import candidate_nics
+from bimetal.topology.interfaces import candidate_nics, named_interfaces
 from bimetal.topology.records import ClusterView, RankRecord, TopologyError
 from bimetal.topology.vendor import detect_vendor, is_simulated
 
@@ -78,6 +78,7 @@ def local_record(rank: int, local_rank: int | None = None, interfaces: Sequence[
         torch=mine["torch"],
         bimetal=mine["bimetal"],
         engine=mine["engine"],
+        named=tuple(named_interfaces(interfaces)[0]),
     )
 
 

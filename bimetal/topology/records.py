@@ -19,7 +19,7 @@ from pydantic import Field
 from bimetal.errors import UserError
 from bimetal.schema import SHAPE, Problem, check
 from bimetal.topology import versions
-from bimetal.topology.interfaces import NicInfo, local_nics, pick, usable_toward
+from bimetal.topology.interfaces import NicInfo, local_nics, pick, unmatched, usable_toward
 from bimetal.topology.vendor import VENDORS
 from bimetal.version import __version__
 
@@ -61,6 +61,8 @@ class RankRecord:
     """The Mooncake transfer engine's version; empty when none is installed."""
     wire: dict[str, int] = field(default_factory=versions.wire_versions)
     """Protocol version of each of bimetal's transports."""
+    named: tuple[str, ...] = ()
+    """The interface names or patterns this rank was given (``parallel.interfaces``, else ``BIMETAL_IFACES``)."""
 
     def software(self) -> dict[str, object]:
         """The versions ``versions.mismatch`` compares."""
@@ -135,7 +137,7 @@ class RankRecord:
                           device=wire.device, memory_bytes=wire.memory_bytes,
                           nics=tuple(NicInfo(n.name, n.address, n.prefix) for n in wire.nics),
                           device_index=wire.device_index, torch=wire.torch, bimetal=wire.bimetal,
-                          engine=wire.engine, wire=dict(wire.wire))
+                          engine=wire.engine, wire=dict(wire.wire), named=tuple(wire.named))
 
 
 Count = Annotated[int, Field(ge=0)]
@@ -172,6 +174,7 @@ class RecordWire:
     bimetal: Text
     engine: Annotated[str, Field(max_length=_MAX_STR)]
     wire: Annotated[dict[str, Count], Field(max_length=16)]
+    named: Annotated[list[Text], Field(max_length=_MAX_NICS)]
 
 
 class ClusterView:
@@ -192,6 +195,14 @@ class ClusterView:
                     f"ranks {seen[key]} and {r.rank} both claim local rank {r.local_rank} on host {r.host!r}"
                 )
             seen[key] = r.rank
+        every_nic = [n.name for r in self.records for n in r.nics]
+        for r in self.records:  # a name no node has is a typo: refused, not skipped in silence
+            missing = unmatched(r.named, every_nic)
+            if missing:
+                raise TopologyError(f"the interface list of rank {r.rank} (host {r.host}) names {', '.join(missing)}, "
+                                    "which matches no interface on any node of this job; fix the name in "
+                                    "parallel.interfaces or BIMETAL_IFACES (each node uses the listed interfaces it "
+                                    "has).")
         first = self.records[0]
         for r in self.records[1:]:
             why = versions.mismatch(first.rank, r.rank, first.software(), r.software())

@@ -224,6 +224,18 @@ def main() -> None:
                                 "through host inside Mooncake's TCP engine"})
     except Exception as exc:  # a row, not a crash: the table still prints
         rows.append(error_row("device-direct tcp on device memory", exc))
+
+    # 6. every buffer, stream and pool of both transports on this rank's device (bimetal.topology.local_device):
+    # the receive slots and copy stream of device-direct, the pinned pool of cpu-forward (the one GPU is shared)
+    try:
+        stream = dd.proxy.transfers._stream  # type: ignore[attr-defined]
+        where = {"cf pool": cf.pool.device,  # type: ignore[attr-defined]
+                 "dd slots": next(iter(dd.proxy.transfers.pools.values())).device,  # type: ignore[attr-defined]
+                 "dd stream": stream.device if stream is not None else torch.device("cpu")}
+        rows.append({"check": "transport buffers on the rank's device", "pass": all(d == dev for d in where.values()),
+                     "value": ", ".join(f"{k} {v}" for k, v in where.items())})
+    except Exception as exc:
+        rows.append(error_row("transport buffers on the rank's device", exc))
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(rows, f)
     dist.barrier()

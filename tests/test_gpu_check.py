@@ -29,6 +29,8 @@ def test_gpu_check_runs_end_to_end_in_cpu_mode(tmp_path: Path) -> None:
     assert rows["cf staged through the pool"]["pass"] is True
     assert rows["pool allocations after warm-up"]["pass"] is True
     assert rows["device-direct tcp on device memory"]["pass"] is True
+    placed = rows["transport buffers on the rank's device"]
+    assert placed["pass"] is True and "cf pool cpu" in placed["value"], placed
     train = next(r for name, r in rows.items() if name.startswith("demo trainer"))
     assert train["pass"] is True and "loss" in train["value"]
     assert any(name.startswith("bandwidth") for name in rows) and any(name.startswith("overlap") for name in rows)

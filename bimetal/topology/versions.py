@@ -41,12 +41,26 @@ def wire_versions() -> dict[str, int]:
     return {t.name: t.wire for t in TABLE if t.module is not None}
 
 
+ENGINE_DISTRIBUTIONS = ("mooncake-transfer-engine", "mooncake-transfer-engine-cuda13",
+                        "mooncake-transfer-engine-non-cuda", "mooncake-transfer-engine-rocm")
+"""The Mooncake wheels by build (CUDA 12, CUDA 13, CPU, ROCm); any other distribution owning ``mooncake`` is
+found by a slower scan."""
+
+
 @functools.cache
 def engine_version() -> str:
     """The installed Mooncake transfer engine's distribution version (any build: CUDA, ROCm, CPU); '' if none."""
+    import importlib.util
     from importlib import metadata
 
-    for dist in metadata.packages_distributions().get("mooncake", []):
+    if importlib.util.find_spec("mooncake") is None:
+        return ""
+    for name in ENGINE_DISTRIBUTIONS:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    for dist in metadata.packages_distributions().get("mooncake", []):  # (reads every installed distribution)
         try:
             return metadata.version(dist)
         except metadata.PackageNotFoundError:

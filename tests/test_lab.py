@@ -185,12 +185,12 @@ def test_naming_an_interface_the_peer_cannot_reach_stops_the_job_in_one_sentence
     lab = make_lab()
     add_unreachable_nic(lab, "nv")
     results = lab.run(["-m", "bimetal.parallel.cli", "--pp", "2"], timeout=60, capture=True, grace=20,
-                      per_node_env={"nv": {"BIMETAL_IFACES": "data0"}})
+                      extra_env={"BIMETAL_REACH_S": "3"}, per_node_env={"nv": {"BIMETAL_IFACES": "data0"}})
     codes = {r.node: r.returncode for r in results}
     assert all(c not in (0, 124) for c in codes.values()), (codes, [r.output[-2000:] for r in results])
     text = "".join(r.output for r in results)
     sentence = ("bimetal topo: cpu-forward group of ranks [0, 1]: rank 1 (host amd, interface eth0 10.77.0.2) cannot "
-                "reach rank 0 (host nv) on its interface data0 (10.78.0.1) within 10 s: Network is unreachable;")
+                "reach rank 0 (host nv) on its interface data0 (10.78.0.1) within 3 s: Network is unreachable;")
     assert sum(sentence in r.output for r in results) == 2, text[-4000:]  # both ranks stop with it
     assert "Traceback" not in text.split("bimetal topo:")[0], text[-4000:]
 

@@ -6,7 +6,8 @@ nothing else in torch.
 """
 
 from bimetal.comm import registry as _registry
+from bimetal.version import __version__
 
 _registry.register_backends()
 
-__version__ = "0.1.0"
+__all__ = ["__version__"]

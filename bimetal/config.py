@@ -67,6 +67,12 @@ class ParallelConfig:
     """Timeout of every collective, in seconds; a hang fails after this long."""
     allow_cross_vendor_dp: bool = False
     """Allow data-parallel groups that span vendors (gradients then cross vendors every step)."""
+    interfaces: list[str] = field(default_factory=list)
+    """Network interfaces the cross-vendor transports may use on each node (cpu-forward's stripes, device-direct's
+    address): names or shell patterns, e.g. ``["ib*", "ens1f0np0"]``; each node takes the ones it has, and a name
+    no node has is refused. Empty: ``BIMETAL_IFACES``, else every up IPv4 interface less loopback, bridges,
+    tunnels and container networks. Precedence: CLI > file > ``BIMETAL_IFACES`` > that default. The world group
+    follows torch's ``GLOO_SOCKET_IFNAME``."""
     cluster: str = ""
     """Cluster spec TOML (as for ``bimetal plan``, e.g. ``configs/clusters/h100_mi300x.toml``, relative to the
     working directory) naming each vendor island's GPU part; ``--dry-run`` sizes every stage against it.
@@ -212,6 +218,10 @@ class TrainConfig:
         if any(n < 1 for n in p.layers_per_stage):
             raise UserError(f"parallel.layers_per_stage={p.layers_per_stage} has a stage with no layers; "
                             "give every stage at least one layer.")
+        bad = [n for n in p.interfaces if not n.strip() or any(c in n for c in ", /\t")]
+        if bad:
+            raise UserError(f"parallel.interfaces={p.interfaces} holds {bad[0]!r}, which is no interface name or "
+                            "pattern; give names like eth0 or patterns like ib*.")
         if p.homogeneous_backend not in ("native", "gloo"):
             raise UserError(f"parallel.homogeneous_backend={p.homogeneous_backend!r} is unknown; "
                             "use 'native' or 'gloo'.")

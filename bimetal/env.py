@@ -87,6 +87,17 @@ def _rdma_devices(name: str, raw: str) -> None:
         raise UserError(f"{name}={raw!r} is not valid; give RDMA device names separated by commas, e.g. mlx5_0,mlx5_1.")
 
 
+_CLAIM = r"\d+:(?:torch|bimetal|engine)=[^,;=:\s]+(?:,(?:torch|bimetal|engine)=[^,;=:\s]+)*"
+
+
+def _claims(name: str, raw: str) -> None:
+    import re
+
+    if not re.fullmatch(rf"\s*{_CLAIM}(?:\s*;\s*{_CLAIM})*\s*;?\s*", raw):
+        raise UserError(f"{name}={raw!r} is not valid; write RANK:field=version[,field=version] separated by ';' "
+                        "with fields torch, bimetal or engine, e.g. 1:bimetal=0.0.9 (a test hook).")
+
+
 def _host(name: str, raw: str) -> None:
     try:
         ipaddress.ip_address(raw.strip())
@@ -136,6 +147,8 @@ VARIABLES: dict[str, Check] = {
     "BIMETAL_VENDOR": _choice("nvidia", "amd"),
     "BIMETAL_CF_STRIPES": _integer(1, 62),
     "BIMETAL_CF_IFACES": _interfaces,
+    "BIMETAL_IFACES": _interfaces,
+    "BIMETAL_REACH_S": _number(0.0),
     "BIMETAL_CF_CHUNK_BYTES": _size(1024),
     "BIMETAL_CF_POOL_BUFFERS": _integer(2),
     "BIMETAL_CF_CHECKSUM": _choice("0", "1"),
@@ -162,6 +175,8 @@ VARIABLES: dict[str, Check] = {
     "BIMETAL_FAULT_STALL": _fields(3, "rank:step:seconds, e.g. 3:3:300"),
     "BIMETAL_TRACEBACK": _choice("0", "1"),
     "BIMETAL_LAUNCH_REPORT": _nonempty,
+    # tests only: ranks that claim other software versions (bimetal.topology.versions), to test the refusal
+    "BIMETAL_TEST_CLAIM_VERSIONS": _claims,
 }
 """Variable -> check; each check raises ``UserError`` naming the variable and the values it takes."""
 

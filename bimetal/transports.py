@@ -31,13 +31,18 @@ class Transport:
     module: str | None
     """Module whose ``create_process_group`` builds it (None: a stock torch back-end)."""
     doc: str
+    wire: int = 0
+    """Version of what the transport puts on the wire (its framing, control notes and store records); ranks
+    whose versions differ are refused at start-up (``bimetal.topology.versions``). Raise it with any change
+    an older peer would misread. 0: not bimetal's (stock Gloo speaks torch's protocol)."""
 
 
 TABLE = (
     Transport("cpu-forward", CPU_FORWARD, "bimetal.comm.cpu_forward",
-              "chunk-pipelined staging through pinned host memory, striped over TCP connections and NICs"),
+              "chunk-pipelined staging through pinned host memory, striped over TCP connections and NICs", wire=1),
     Transport("device-direct", DEVICE_DIRECT, "bimetal.comm.device_direct",
-              "RDMA between GPU memories through a transfer engine (falls back to cpu-forward where allowed)"),
+              "RDMA between GPU memories through a transfer engine (falls back to cpu-forward where allowed)",
+              wire=1),
     Transport("gloo", "gloo", None, "stock Gloo over TCP: the baseline of an unmodified PyTorch job"),
 )
 TRANSPORTS = {t.name: t for t in TABLE}

@@ -330,6 +330,20 @@ def main() -> None:
                   "value": "no device-direct group (see the row above)"},
                  {"check": both_name("device-direct", both_mib), "pass": False,
                   "value": "no device-direct group (see the row above)"}]
+
+    # 9. every buffer, stream and pool of both transports on this rank's device (bimetal.topology.local_device):
+    # the receive slots and copy stream of device-direct, the pinned pool of cpu-forward (the one GPU is shared)
+    try:
+        if dd is None:
+            raise RuntimeError("no device-direct group (see the rows above)")
+        stream = dd.proxy.transfers._stream  # type: ignore[attr-defined]
+        where = {"cf pool": cf.pool.device,  # type: ignore[attr-defined]
+                 "dd slots": next(iter(dd.proxy.transfers.pools.values())).device,  # type: ignore[attr-defined]
+                 "dd stream": stream.device if stream is not None else torch.device("cpu")}
+        rows.append({"check": "transport buffers on the rank's device", "pass": all(d == dev for d in where.values()),
+                     "value": ", ".join(f"{k} {v}" for k, v in where.items())})
+    except Exception as exc:
+        rows.append(error_row("transport buffers on the rank's device", exc))
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(rows, f)
     dist.barrier()

@@ -14,7 +14,7 @@ import pytest
 
 from bimetal.cli import main
 from bimetal.errors import UserError
-from bimetal.topology.records import RankRecord
+from bimetal.topology.records import NicInfo, RankRecord
 
 DEMO = Path(__file__).resolve().parents[1] / "configs" / "demo.toml"
 SPEC = Path(__file__).resolve().parents[1] / "configs" / "clusters" / "h200_mi325x.toml"
@@ -108,8 +108,8 @@ def test_cli_bad_input(build, fragment: str, tmp_path: Path, capsys, monkeypatch
 
 
 def _record_payload(**changes) -> str:
-    payload = {"version": 1, "rank": 0, "local_rank": 0, "host": "node0", "vendor": "nvidia",
-               "device": "NVIDIA H200", "memory_bytes": 1, "nics": [{"name": "eth0", "address": "10.0.0.1"}]}
+    payload = json.loads(RankRecord(rank=0, local_rank=0, host="node0", vendor="nvidia", device="NVIDIA H200",
+                                    memory_bytes=1, nics=(NicInfo("eth0", "10.0.0.1", 24),)).to_json())
     payload.update(changes)
     return json.dumps(payload)
 
@@ -120,7 +120,9 @@ RECORD_CASES = [
     ("record-vendor", _record_payload(vendor="intel"), "'vendor'"),
     ("record-rank-lie", _record_payload(rank=3), "'rank' says 3"),
     ("record-extra", _record_payload(exec="import os"), "'exec' is not a known field"),
-    ("record-bad-ip", _record_payload(nics=[{"name": "eth0", "address": "999.1.1.1"}]), "'nics[0].address'"),
+    ("record-bad-ip", _record_payload(nics=[{"name": "eth0", "address": "999.1.1.1", "prefix": 24}]),
+     "'nics[0].address'"),
+    ("record-older-bimetal", _record_payload(version=1), "rank 0 runs an older bimetal"),
 ]
 
 

@@ -134,6 +134,17 @@ def test_an_error_only_a_rank_sees_is_one_sentence_from_the_launcher(tmp_path: P
     assert not run_dir.exists(), sorted(run_dir.rglob("*"))
 
 
+def test_ranks_of_two_bimetal_versions_are_refused_naming_both(tmp_path: Path) -> None:
+    """Rank 1 claims another bimetal release (the test hook ``BIMETAL_TEST_CLAIM_VERSIONS``): the topology
+    exchange stops both ranks with one sentence naming the two ranks and their versions, before any group."""
+    run_dir = tmp_path / "run"
+    proc = _run(["train", "--simulate", "nvidia:1,amd:1", "--training.steps=2", *TINY, f"--metrics.run_dir={run_dir}"],
+                clean_env(BIMETAL_TEST_CLAIM_VERSIONS="1:bimetal=0.0.9"))
+    _one_sentence(proc, "bimetal train: ranks 0 and 1 run different bimetal versions (rank 0: 0.1.0, rank 1: 0.0.9); "
+                        "install one bimetal release on every node.")
+    assert "bimetal groups" not in proc.stdout and not run_dir.exists()
+
+
 def test_device_direct_fallback_is_labelled_in_the_table_and_the_summary(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     proc = _run(["train", "--simulate", "nvidia:1,amd:1", "--parallel.pp_transport=device-direct", "--training.steps=2",
@@ -222,7 +233,8 @@ BAD_VALUES = {"BIMETAL_SIMULATE": "nvidia", "BIMETAL_VENDOR": "intel", "BIMETAL_
               "BIMETAL_DD_DEVICES": "mlx5_0,,mlx5_1", "BIMETAL_DD_REG_CACHE_BYTES": "0", "BIMETAL_THREADS": "1.5",
               "BIMETAL_HOST": " ", "BIMETAL_LAB": " ", "BIMETAL_LAB_NICS": ",", "BIMETAL_LAB_RANK_ENV": "[1]",
               "BIMETAL_FAULT_KILL": "3:x", "BIMETAL_FAULT_STALL": "3:3", "BIMETAL_TRACEBACK": "true",
-              "BIMETAL_LAUNCH_REPORT": " "}
+              "BIMETAL_LAUNCH_REPORT": " ", "BIMETAL_IFACES": "eth0,", "BIMETAL_REACH_S": "-1",
+              "BIMETAL_TEST_CLAIM_VERSIONS": "1:foo=2"}
 
 
 def test_every_bimetal_variable_the_code_reads_is_checked_before_launch() -> None:

@@ -48,6 +48,8 @@ def test_gpu_check_runs_end_to_end_in_cpu_mode(tmp_path: Path) -> None:
     for r in parity:
         assert r["pass"] is True and "native groups on the staged path" in r["value"], r
     assert "bimetal_sim_native (staged: device tensors)" in (tmp_path / "parity-1.log").read_text()
+    placed = rows["transport buffers on the rank's device"]
+    assert placed["pass"] is True and "cf pool cpu" in placed["value"], placed
     train = next(r for name, r in rows.items() if name.startswith("demo trainer"))
     assert train["pass"] is True and "loss" in train["value"]
     assert any(name.startswith("bandwidth") for name in rows) and any(name.startswith("overlap") for name in rows)

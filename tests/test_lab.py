@@ -84,11 +84,12 @@ RANK_SCRIPT = textwrap.dedent(r"""
 
     out = {"hosts": view.hosts, "vendors": [view.vendor_of(r) for r in range(world)],
            "ranks_on": {h: view.ranks_on(h) for h in view.hosts},
-           "nics": [[[n.name, n.address] for n in view.nics_of(r)] for r in range(world)]}
+           "nics": [[[n.name, n.address] for n in view.nics_of(r)] for r in range(world)],
+           "uses": [[n.name for n in view.chosen_nics(r, 2)] for r in range(world)]}
     peer = view.ranks_on(view.hosts[1])[0]
     if rank in (0, peer):  # one stripe per NIC between node 0 and node 1, each Gloo group bound to its NIC
         me, moved = (0 if rank == 0 else 1), {}
-        for nic in [n.name for n in view.nics_of(rank)]:
+        for nic in [n.name for n in view.chosen_nics(rank, 2)]:
             opts = dist.ProcessGroupGloo._Options()
             opts._timeout = T
             opts._devices = [dist.ProcessGroupGloo.create_device(interface=nic)]
@@ -100,8 +101,8 @@ RANK_SCRIPT = textwrap.dedent(r"""
             after = tx()
             moved[nic] = {k: after[k] - before[k] for k in after}
         out["moved"] = moved
-    # bimetal's cpu-forward transport with 2 stripes picks the NICs itself (from local_nics) and splits
-    # one 8 MiB message across them.
+    # bimetal's cpu-forward transport with 2 stripes picks the NICs itself (the candidates that share a subnet
+    # with the peer, from its own local rank on) and splits one 8 MiB message across them.
     import bimetal
     from bimetal.comm.striping import CpuForwardOptions
     cf = dist.new_group([0, peer], backend="bimetal_cpu_forward", timeout=T, pg_options=CpuForwardOptions(stripes=2))
@@ -134,10 +135,23 @@ def test_a_failed_node_does_not_hold_the_lab_for_the_whole_timeout(make_lab: Any
     assert "node nv was killed: node amd failed" in nv.output, nv.output[-2000:]
 
 
+def add_unreachable_nic(lab: Any, node: str, name: str = "data0", address: str = "10.78.0.1/24") -> None:
+    """An extra interface on ``node`` whose subnet no other node has (a storage or management NIC on its own
+    network): a veth pair inside the node's namespace, up, with an address nothing else routes to. It goes
+    with the namespace at teardown."""
+    ns = lab.namespace(node)
+    net.sh(["ip", "-n", ns, "link", "add", name, "type", "veth", "peer", "name", f"{name}p"])
+    net.sh(["ip", "-n", ns, "addr", "add", address, "dev", name])
+    for dev in (name, f"{name}p"):
+        net.sh(["ip", "-n", ns, "link", "set", dev, "up"])
+
+
 @pytest.mark.lab
 @pytest.mark.timeout(120)
 def test_job_sees_nodes_nics_and_stripes_use_distinct_interfaces(make_lab: Any, tmp_path: Path) -> None:
     lab = make_lab(nodes=[{"name": "nv", "vendor": "nvidia", "ranks": 2}, {"name": "amd", "vendor": "amd", "ranks": 2}])
+    # data0 sorts before eth0: taken by list position (as before issue 29), stripe 0 of local rank 0 would be it
+    add_unreachable_nic(lab, "nv")
     script = tmp_path / "rank.py"
     script.write_text(RANK_SCRIPT)
     results = lab.run([str(script)], timeout=90, capture=True)
@@ -149,14 +163,36 @@ def test_job_sees_nodes_nics_and_stripes_use_distinct_interfaces(make_lab: Any, 
     view = rows[0]
     assert view["hosts"] == ["nv", "amd"] and view["ranks_on"] == {"nv": [0, 1], "amd": [2, 3]}
     assert view["vendors"] == ["nvidia", "nvidia", "amd", "amd"]
-    assert view["nics"][0] == [["eth0", "10.77.0.1"], ["eth1", "10.77.1.1"]]
+    assert view["nics"][0] == [["data0", "10.78.0.1"], ["eth0", "10.77.0.1"], ["eth1", "10.77.1.1"]]
     assert view["nics"][3] == [["eth0", "10.77.0.2"], ["eth1", "10.77.1.2"]]
+    # the default avoids data0 (no peer shares its subnet): each local rank starts at its own NIC
+    assert view["uses"] == [["eth0", "eth1"], ["eth1", "eth0"], ["eth0", "eth1"], ["eth1", "eth0"]]
     moved = rows[0]["moved"]  # what the sender's interfaces transmitted during each stripe's 4 MiB send
     for nic, other in (("eth0", "eth1"), ("eth1", "eth0")):
         assert moved[nic][nic] >= 4 << 20, moved
         assert moved[nic][other] < 256 << 10, moved
     cf = rows[0]["cf_moved"]
     assert rows[2]["cf_ok"] and cf["eth0"] >= 3.5 * 2**20 and cf["eth1"] >= 3.5 * 2**20, cf
+    assert cf["data0"] == 0, cf
+
+
+@pytest.mark.lab
+@pytest.mark.timeout(120)
+def test_naming_an_interface_the_peer_cannot_reach_stops_the_job_in_one_sentence(make_lab: Any) -> None:
+    """Node nv names only data0 (a subnet node amd has no route to): creating the cross-vendor pipeline group
+    stops both ranks with one sentence naming rank, host, interface and peer, long before the group's 120 s
+    timeout (a run that waited for it would be killed at 60 s and show status 124)."""
+    lab = make_lab()
+    add_unreachable_nic(lab, "nv")
+    results = lab.run(["-m", "bimetal.parallel.cli", "--pp", "2"], timeout=60, capture=True, grace=20,
+                      extra_env={"BIMETAL_REACH_S": "3"}, per_node_env={"nv": {"BIMETAL_IFACES": "data0"}})
+    codes = {r.node: r.returncode for r in results}
+    assert all(c not in (0, 124) for c in codes.values()), (codes, [r.output[-2000:] for r in results])
+    text = "".join(r.output for r in results)
+    sentence = ("bimetal topo: cpu-forward group of ranks [0, 1]: rank 1 (host amd, interface eth0 10.77.0.2) cannot "
+                "reach rank 0 (host nv) on its interface data0 (10.78.0.1) within 3 s: Network is unreachable;")
+    assert sum(sentence in r.output for r in results) == 2, text[-4000:]  # both ranks stop with it
+    assert "Traceback" not in text.split("bimetal topo:")[0], text[-4000:]
 
 
 @pytest.mark.lab

@@ -18,7 +18,6 @@ built (or whose library is missing) fails when a group asks for it, with a messa
 from __future__ import annotations
 
 import importlib
-import os
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -102,14 +101,16 @@ def _create_sim_native(dist_backend_opts: Any, pg_options: Any):
 
     timeout = dist_backend_opts.timeout
     timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)  # (not cpu-forward's env: its NIC choice is its own)
-    (nic,) = choose_interfaces(CpuForwardOptions(stripes=1, local_rank=local_rank))  # NIC LOCAL_RANK, else default
+    from bimetal.topology.local_device import local_rank
+
+    # (not cpu-forward's env: its NIC choice is its own) the candidate of this local rank, as NCCL takes its GPU's NIC
+    (nic,) = choose_interfaces(CpuForwardOptions(stripes=1, local_rank=local_rank()))
     stripes = build_stripes(store, rank, size, timeout, [nic])
     if not staged_native():
         return stripes[0]
     from bimetal.comm.cpu_forward import StagedNativeGroup
 
-    opts = CpuForwardOptions(stripes=1, interfaces=[nic] if nic else [], local_rank=local_rank).resolved()
+    opts = CpuForwardOptions(stripes=1, interfaces=[nic] if nic else [], local_rank=local_rank()).resolved()
     pg = StagedNativeGroup(stripes, rank, size, timeout, opts, global_ranks=global_ranks, interfaces=[nic])
     pg.store = dist.PrefixStore("bimetal_cf", store)
     return pg

@@ -55,13 +55,17 @@ class PinnedPool:
     to come back: a slow peer slows the sender instead of growing memory.
     """
 
-    def __init__(self, max_bytes: int, slab_bytes: int, pin: bool | None = None):
+    def __init__(self, max_bytes: int, slab_bytes: int, pin: bool | None = None,
+                 device: torch.device | None = None):
         if slab_bytes < ALIGN or max_bytes < slab_bytes:
             raise ValueError(f"staging pool of {max_bytes} bytes cannot hold one slab of {slab_bytes} bytes")
         self.max_bytes, self.slab_bytes = max_bytes, slab_bytes
         self.capacity = max_bytes // slab_bytes
         """How many slabs fit under the bound."""
-        self._pin = torch.cuda.is_available() if pin is None else pin
+        self.device = device or torch.device("cpu")
+        """The GPU the slabs are pinned for: pinning makes a context on the current device of the allocating
+        thread (a worker thread's is GPU 0), so every allocation runs under this device instead."""
+        self._pin = self.device.type == "cuda" if pin is None else pin
         self._free: list[torch.Tensor] = []
         self._slabs: dict[int, torch.Tensor] = {}  # data pointer -> slab
         self._cond = threading.Condition()
@@ -78,7 +82,10 @@ class PinnedPool:
         with self._cond:
             while not self._free:
                 if len(self._slabs) < self.capacity and not self._returning:  # (a returning slab is waited for)
-                    slab = torch.empty(self.slab_bytes, dtype=torch.uint8, pin_memory=self._pin)
+                    on = torch.cuda.device(self.device) if self._pin and self.device.type == "cuda" \
+                        else contextlib.nullcontext()
+                    with on:
+                        slab = torch.empty(self.slab_bytes, dtype=torch.uint8, pin_memory=self._pin)
                     self._slabs[slab.data_ptr()] = slab
                     self.allocations += 1
                     return slab

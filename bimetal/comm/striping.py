@@ -3,11 +3,14 @@ splits a message into chunks carried by the stripes concurrently.
 
 Interface choice, first that applies:
 1. ``CpuForwardOptions.interfaces`` (or ``BIMETAL_CF_IFACES="eth0,eth1"``): stripe i binds to the i-th name;
-2. ``stripes=K`` with a node that lists several NICs (``local_nics()``): local rank i starts at NIC i and
-   takes K consecutive NICs (one NIC per GPU by default, all of them for a large stripe count);
-3. otherwise one stripe on Gloo's default device (which honours ``GLOO_SOCKET_IFNAME``).
-Every stripe is a full ``ProcessGroupGloo`` of the group, built on its own prefix of the group store
-(``dist.new_group`` would ignore the device options, see DESIGN.md).
+2. the node's candidates (``bimetal.topology.interfaces``: ``allowed_interfaces`` from ``parallel.interfaces``,
+   else ``BIMETAL_IFACES``, else every up interface less loopback, bridges, tunnels and container networks),
+   narrowed at group creation to those sharing a subnet with the peers; local rank i starts at the i-th and
+   takes K consecutive ones (one NIC per GPU by default, all of them for a large stripe count).
+The group's creator then proves every pair reaches the other on them (``bimetal.topology.reach``) before any
+Gloo context connects. Every stripe is a full ``ProcessGroupGloo`` of the group, built on its own prefix of the
+group store (``dist.new_group`` would ignore the device options, see DESIGN.md), bound to its interface; only a
+node with no IPv4 interface at all leaves a stripe on Gloo's default device.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import torch.distributed as dist
 
 from bimetal.env import read_flag, read_float, read_int, read_size
 from bimetal.errors import UserError
+from bimetal.topology import local_device
+from bimetal.topology.interfaces import candidate_nics, pick
 
 ENV_STRIPES = "BIMETAL_CF_STRIPES"
 ENV_IFACES = "BIMETAL_CF_IFACES"
@@ -38,13 +43,16 @@ class CpuForwardOptions:
     stripes: int = 0
     """Gloo contexts per group; 0: from ``BIMETAL_CF_STRIPES`` or the interface list, else 1."""
     interfaces: list[str] = field(default_factory=list)
-    """Interface name per stripe (``BIMETAL_CF_IFACES``); empty: from the topology or Gloo's default."""
+    """Interface name per stripe (``BIMETAL_CF_IFACES``), used exactly; empty: chosen from the candidates."""
+    allowed_interfaces: list[str] = field(default_factory=list)
+    """The node's interfaces the group may choose from, names or patterns (``parallel.interfaces``); empty:
+    ``BIMETAL_IFACES``, else the default candidates (``bimetal.topology.interfaces``)."""
     chunk_bytes: int = 0
     """Chunk size of pipelined transfers (``BIMETAL_CF_CHUNK_BYTES``); 0: 4 MiB."""
     pool_buffers: int = 0
     """Pinned staging buffers per dtype (``BIMETAL_CF_POOL_BUFFERS``); 0: 8."""
     local_rank: int | None = None
-    """Used to pick this rank's NIC; None: ``$LOCAL_RANK``."""
+    """Used to pick this rank's NIC; None: ``$LOCAL_RANK`` (else ``$SLURM_LOCALID``)."""
     stall_timeout_s: float = 0.0
     """Seconds without progress after which one stripe of a point-to-point transfer counts as stalled: its
     chunks are re-sent on the other stripes and the stripe is left for good (``BIMETAL_CF_STALL_S``);
@@ -65,9 +73,10 @@ class CpuForwardOptions:
                             f"(>= 1024), pool_buffers={pool} (>= 2), stall_timeout_s={stall:g} (>= 0)")
         if ifaces and len(ifaces) < stripes:
             ifaces = [ifaces[i % len(ifaces)] for i in range(stripes)]
-        local = self.local_rank if self.local_rank is not None else int(env.get("LOCAL_RANK", "0"))
+        local = self.local_rank if self.local_rank is not None else local_device.local_rank()
         checksum = self.checksum if self.checksum is not None else read_flag(ENV_CHECKSUM)  # 0 or 1, else refused
-        return CpuForwardOptions(stripes, ifaces[:stripes], chunk, pool, local, stall, checksum)
+        return CpuForwardOptions(stripes, ifaces[:stripes], list(self.allowed_interfaces), chunk, pool, local, stall,
+                                 checksum)
 
     def stall_seconds(self, timeout: timedelta) -> float:
         """The stripe-stall timeout of a group with op timeout ``timeout``."""
@@ -75,16 +84,12 @@ class CpuForwardOptions:
 
 
 def choose_interfaces(opts: CpuForwardOptions) -> list[str | None]:
-    """Interface per stripe; ``None`` means Gloo's default device."""
+    """Interface per stripe from this node alone (no peers asked; the transports' creators use
+    ``bimetal.topology.reach``, which also looks at the peers' subnets); ``None``: Gloo's default device."""
     if opts.interfaces:
         return list(opts.interfaces)
-    from bimetal.topology.records import local_nics
-
-    nics = [n.name for n in local_nics(include_loopback=False)]
-    if len(nics) > 1:
-        start = (opts.local_rank or 0) % len(nics)
-        return [nics[(start + i) % len(nics)] for i in range(opts.stripes)]
-    return [None] * opts.stripes
+    chosen = pick(candidate_nics(opts.allowed_interfaces), opts.local_rank or 0, opts.stripes)
+    return [n.name for n in chosen] if chosen else [None] * opts.stripes
 
 
 def build_stripes(store: dist.Store, rank: int, size: int, timeout: timedelta,

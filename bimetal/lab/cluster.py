@@ -237,8 +237,10 @@ class LabCluster:
         return [*cmd, *rank_argv] if rank_argv[0] != "-m" else [*cmd, "--module", *rank_argv[1:]]
 
     def run(self, rank_argv: Sequence[str], timeout: float = 600, extra_env: dict[str, str] | None = None,
-            capture: bool = False, master_port: int = MASTER_PORT, grace: float = 60.0) -> list[NodeResult]:
+            capture: bool = False, master_port: int = MASTER_PORT, grace: float = 60.0,
+            per_node_env: dict[str, dict[str, str]] | None = None) -> list[NodeResult]:
         """Run ``rank_argv`` (a script or ``-m module`` plus args) as the ranks of every node; wait for all.
+        ``extra_env`` goes to every node, ``per_node_env[node]`` to that node only (a setting one node differs in).
 
         On timeout or interrupt every node's process group is killed (status 124). Once a node fails, the
         others get ``grace`` seconds to notice and say so themselves (their transports' timeouts), then they
@@ -255,7 +257,7 @@ class LabCluster:
             for n in self.spec.nodes:
                 log = logdir / f"{n.name}.log"
                 out: Any = open(log, "w") if capture else None  # noqa: SIM115 (closed when the process ends)
-                env = self.node_env(n.name, extra_env)
+                env = self.node_env(n.name, {**(extra_env or {}), **(per_node_env or {}).get(n.name, {})})
                 proc = self.popen(n.name, self.torchrun_argv(n.name, rank_argv, master_port), env=env,
                                   stdout=out, stderr=subprocess.STDOUT if capture else None)
                 if out is not None:

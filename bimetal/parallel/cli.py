@@ -27,6 +27,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dp-transport", default=transports.DEFAULT,
                    help="for data-parallel groups that span vendors")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds for start-up and group creation")
+    p.add_argument("--interfaces", default="",
+                   help="interfaces the cross-vendor transports may use on each node, names or patterns separated by "
+                        "commas (as parallel.interfaces; default: BIMETAL_IFACES, else every up interface less "
+                        "loopback, bridges and container networks)")
     return p
 
 
@@ -47,8 +51,10 @@ def _run_rank(args: argparse.Namespace) -> int:
     from bimetal.parallel import ParallelDims, init_parallel
 
     dims = ParallelDims(args.pp, args.dp, args.tp, args.allow_cross_vendor_dp, args.strict)
+    interfaces = [n.strip() for n in args.interfaces.split(",") if n.strip()] or None
     ctx = init_parallel(
-        dims, {"pp": args.pp_transport, "dp": args.dp_transport}, timedelta(seconds=args.timeout)
+        dims, {"pp": args.pp_transport, "dp": args.dp_transport}, timedelta(seconds=args.timeout),
+        interfaces=interfaces,
     )
     try:
         if ctx.rank == 0:

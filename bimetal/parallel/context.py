@@ -1,7 +1,8 @@
 """``init_parallel``: from the torchrun environment to a ``ParallelContext`` holding every group.
 
-Steps, the same on every rank: initialise the world (Gloo for CPU tensors; NCCL too on an all-one-vendor
-GPU cluster), exchange topology records over the store, lay out (pp, dp, tp) - refused before any group is
+Steps, the same on every rank: bind the rank's GPU (``topology.local_device``), initialise the world (Gloo for
+CPU tensors; NCCL too on an all-one-vendor GPU cluster), exchange topology records over the store (versions
+that disagree stop here), lay out (pp, dp, tp) - refused before any group is
 created if impossible - then create the groups with their differentiated back-ends. Rank 0 prints the
 group table as built (a device-direct group that fell back to cpu-forward is shown as such). No globals:
 callers pass the context on.
@@ -10,16 +11,20 @@ callers pass the context on.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
+import torch
 import torch.distributed as dist
 
-from bimetal.comm.registry import CPU_FORWARD
+from bimetal.comm.registry import CPU_FORWARD, DEVICE_DIRECT
 from bimetal.parallel.groups import GroupSpec, create_groups, format_group_table, plan_groups
 from bimetal.parallel.layout import Layout, ParallelDims, plan_layout
 from bimetal.topology import store_exchange
 from bimetal.topology.exchange import exchange_topology
+from bimetal.topology.local_device import bind_rank_device
 from bimetal.topology.records import ClusterView
 from bimetal.topology.vendor import detect_vendor, is_simulated
 
@@ -59,6 +64,10 @@ class ParallelContext:
     owns_world: bool = field(default=False, repr=False)
     fallbacks: dict[str, str] = field(default_factory=dict)
     """This rank's groups that were asked for device-direct and run on cpu-forward: name -> the reason."""
+    pg_options: dict[str, Any] = field(default_factory=dict)
+    """``pg_options`` per back-end for groups made later (the FSDP mesh): the interfaces the user named."""
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    """This rank's device (``local_device.bind_rank_device``), bound before the world was created."""
 
     @property
     def num_stages(self) -> int:
@@ -138,13 +147,35 @@ def _init_world(backend: str, timeout: timedelta) -> None:
     dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=timeout)
 
 
+def transport_options(interfaces: Sequence[str] | None) -> dict[str, Any]:
+    """``pg_options`` per bimetal transport that carry the interfaces the config names (none: env, default)."""
+    if not interfaces:
+        return {}
+    from bimetal.comm.device_direct.options import DeviceDirectOptions
+    from bimetal.comm.striping import CpuForwardOptions
+
+    return {CPU_FORWARD: CpuForwardOptions(allowed_interfaces=list(interfaces)),
+            DEVICE_DIRECT: DeviceDirectOptions(allowed_interfaces=list(interfaces))}
+
+
+def _table_stripes() -> tuple[int, list[str]]:
+    """Stripes per cpu-forward group and the interfaces named per stripe, for the cluster view's 'uses' column."""
+    from bimetal.comm.striping import CpuForwardOptions
+
+    opts = CpuForwardOptions().resolved()
+    return opts.stripes, list(opts.interfaces)
+
+
 def init_parallel(
     dims: ParallelDims,
     transports: dict[str, str] | None = None,
     timeout: timedelta = DEFAULT_TIMEOUT,
     print_table: bool = True,
+    interfaces: Sequence[str] | None = None,
 ) -> ParallelContext:
-    """Initialise the world from the torchrun environment and build every group of the layout."""
+    """Bind this rank's GPU, initialise the world from the torchrun environment and build every group of the
+    layout. ``interfaces``: the config's ``parallel.interfaces`` (None: ``BIMETAL_IFACES``, else the default)."""
+    device = bind_rank_device()
     owns_world = not dist.is_initialized()
     rank = int(os.environ.get("RANK", "0")) if owns_world else dist.get_rank()
     vendor = detect_vendor(rank)
@@ -152,12 +183,14 @@ def init_parallel(
         _init_world(_world_backend(vendor), timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
     store = dist.distributed_c10d._get_default_store()
-    view = exchange_topology(store, rank, world, timeout)
+    view = exchange_topology(store, rank, world, timeout, interfaces=interfaces)
     layout = plan_layout(view, dims)
     specs = plan_groups(view, layout, transports, simulated=is_simulated())
     if print_table and rank == 0:
-        print("bimetal cluster view:\n" + view.format_table(), flush=True)
-    groups = create_groups(specs, timeout)
+        stripes, named = _table_stripes()
+        print("bimetal cluster view:\n" + view.format_table(stripes, named), flush=True)
+    pg_options = transport_options(interfaces)
+    groups = create_groups(specs, timeout, pg_options)
     # the table shows the groups as built: a device-direct group that fell back to cpu-forward says so
     fallbacks = {g.name: str(getattr(groups[g.name], "fallback_reason", "")) for g in specs
                  if groups.get(g.name) is not None and getattr(groups[g.name], "fallback_reason", None)}
@@ -172,6 +205,7 @@ def init_parallel(
     ctx = ParallelContext(
         rank=rank, world_size=world, vendor=vendor, view=view, layout=layout, group_specs=specs,
         groups=groups, stage=stage, dp_rank=dp_rank, tp_rank=tp_rank, owns_world=owns_world, fallbacks=fallbacks,
+        pg_options=pg_options, device=device,
     )
     for axis in ("pp", "dp", "tp"):
         name = ctx.my_group_name(axis)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch.distributed as dist
 
@@ -143,10 +144,13 @@ def format_group_table(specs: list[GroupSpec], fallbacks: dict[str, str] | None 
     return format_rows(rows) + ("\nfallbacks:\n" + "\n".join(notes) if notes else "")
 
 
-def create_groups(specs: list[GroupSpec], timeout: timedelta) -> dict[str, dist.ProcessGroup | None]:
-    """Create every group (collectively, same order on all ranks); name -> group, None where not a member."""
+def create_groups(specs: list[GroupSpec], timeout: timedelta, pg_options: dict[str, Any] | None = None
+                  ) -> dict[str, dist.ProcessGroup | None]:
+    """Create every group (collectively, same order on all ranks); name -> group, None where not a member.
+    ``pg_options``: back-end -> the options its groups get (bimetal's transports: the interfaces named)."""
     groups: dict[str, dist.ProcessGroup | None] = {}
     for g in specs:
-        pg = dist.new_group(list(g.ranks), backend=g.backend, timeout=timeout, group_desc=g.name)
+        pg = dist.new_group(list(g.ranks), backend=g.backend, timeout=timeout, group_desc=g.name,
+                            pg_options=(pg_options or {}).get(g.backend))
         groups[g.name] = pg if dist.get_rank() in g.ranks else None
     return groups

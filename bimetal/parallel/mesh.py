@@ -134,7 +134,8 @@ def build_stage_mesh(ctx: object, dp_shard: int, device_type: str, transports: d
     existing = {(g.ranks, g.backend): g.name for g in ctx.group_specs}
     specs = [replace(s, name=existing.get((s.ranks, s.backend), s.name)) for s in specs]
     reused = {s.name: ctx.groups[s.name] for s in specs if s.name in ctx.groups}
-    groups = {**create_groups([s for s in specs if s.name not in reused], timeout), **reused}
+    groups = {**create_groups([s for s in specs if s.name not in reused], timeout, getattr(ctx, "pg_options", None)),
+              **reused}
     grid = dp_mesh_ranks(ctx.layout, ctx.stage, ctx.tp_rank, dp_shard)
     row = next(r for r, members in enumerate(grid) if ctx.rank in members)
     pos = grid[row].index(ctx.rank)

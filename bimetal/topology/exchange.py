@@ -10,14 +10,17 @@ from __future__ import annotations
 import json
 import os
 import socket
+from collections.abc import Sequence
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from bimetal import env
-from bimetal.topology import store_exchange
-from bimetal.topology.records import ClusterView, RankRecord, TopologyError, local_nics
+from bimetal.errors import UserError
+from bimetal.topology import local_device, store_exchange, versions
+from bimetal.topology.interfaces import candidate_nics, named_interfaces
+from bimetal.topology.records import ClusterView, RankRecord, TopologyError
 from bimetal.topology.vendor import detect_vendor, is_simulated
 
 HOST_ENV = "BIMETAL_HOST"
@@ -47,29 +50,35 @@ def host_identity() -> str:
     return host
 
 
-def local_record(rank: int, local_rank: int | None = None) -> RankRecord:
-    """This rank's record: vendor, device and memory from the runtime (or the simulation), NICs from the OS."""
+def local_record(rank: int, local_rank: int | None = None, interfaces: Sequence[str] | None = None) -> RankRecord:
+    """This rank's record: vendor, device (``local_device.rank_device``) and memory from the runtime (or the
+    simulation), candidate interfaces (``interfaces``: the config's list, else ``BIMETAL_IFACES``, else the
+    default) and software versions."""
     if local_rank is None:
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        local_rank = local_device.local_rank()
     vendor = detect_vendor(rank)
-    device, memory = "cpu", 0
+    host = host_identity()
+    mine = versions.local_versions(rank)
+    device, memory, index = "cpu", 0, -1
+    gpu = local_device.rank_device()
+    if gpu.type == "cuda":
+        props = torch.cuda.get_device_properties(gpu)
+        index, device, memory = gpu.index or 0, props.name, int(props.total_memory)
     if is_simulated():
-        device = f"cpu (simulated {vendor})"
-        if env.read("BIMETAL_SIMULATE_DEVICE") == "cuda" and torch.cuda.is_available():  # the one GPU, shared
-            props = torch.cuda.get_device_properties(0)
-            device, memory = f"{props.name} (shared, simulated {vendor})", int(props.total_memory)
-    elif vendor in ("nvidia", "amd"):
-        index = local_rank % max(torch.cuda.device_count(), 1)
-        props = torch.cuda.get_device_properties(index)
-        device, memory = props.name, int(props.total_memory)
+        device = f"{device} (shared, simulated {vendor})" if gpu.type == "cuda" else f"cpu (simulated {vendor})"
     return RankRecord(
         rank=rank,
         local_rank=local_rank,
-        host=host_identity(),
+        host=host,
         vendor=vendor,
         device=device,
         memory_bytes=memory,
-        nics=tuple(local_nics()),
+        nics=tuple(candidate_nics(interfaces, host)),
+        device_index=index,
+        torch=mine["torch"],
+        bimetal=mine["bimetal"],
+        engine=mine["engine"],
+        named=tuple(named_interfaces(interfaces)[0]),
     )
 
 
@@ -80,9 +89,16 @@ def exchange_topology(
     timeout: timedelta = timedelta(seconds=120),
     record: RankRecord | None = None,
     prefix: str = KEY_PREFIX,
+    interfaces: Sequence[str] | None = None,
 ) -> ClusterView:
-    """Publish this rank's record, read everyone's, and return the validated view (same on every rank)."""
-    record = record if record is not None else local_record(rank)
+    """Publish this rank's record, read everyone's, and return the validated view (same on every rank).
+    ``interfaces``: the config's list of interfaces (``parallel.interfaces``), if any."""
+    if record is None:
+        try:
+            record = local_record(rank, interfaces=interfaces)
+        except UserError as exc:  # the others hear why instead of waiting for this record until the timeout
+            store_exchange.publish(store, prefix, rank, {"error": str(exc)})
+            raise
 
     def missing(r: int, exc: BaseException) -> TopologyError:
         return TopologyError(f"rank {r} did not publish its topology record within {timeout.total_seconds():.0f} s; "
@@ -92,6 +108,11 @@ def exchange_topology(
         return TopologyError(f"topology record of rank {r} is not valid JSON ({exc})")
 
     payload = json.loads(record.to_json())
-    records = store_exchange.exchange(store, prefix, rank, payload, range(world_size), timeout,
-                                      lambda value, r: RankRecord.from_dict(value, expected_rank=r), missing, not_json)
+    def decode(value: object, r: int) -> RankRecord:
+        if isinstance(value, dict) and set(value) == {"error"}:
+            raise TopologyError(f"rank {r} could not describe itself: {value['error']}")
+        return RankRecord.from_dict(value, expected_rank=r)
+
+    records = store_exchange.exchange(store, prefix, rank, payload, range(world_size), timeout, decode, missing,
+                                      not_json)
     return ClusterView(records)

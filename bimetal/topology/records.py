@@ -1,14 +1,15 @@
 """What each rank knows about itself, and the validated cluster view all ranks share.
 
 A ``RankRecord`` travels as JSON (never pickle) and is checked field by field on arrival: a record that
-fails names its rank and the offending field, so every rank stops with the same sentence.
+fails names its rank and the offending field, so every rank stops with the same sentence. A record of another
+``RECORD_VERSION`` (another bimetal) is refused before its fields are read, and records whose software
+disagrees (``versions``) stop the job naming two ranks and their versions.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import json
-import socket
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Annotated, Any
@@ -17,23 +18,24 @@ from pydantic import Field
 
 from bimetal.errors import UserError
 from bimetal.schema import SHAPE, Problem, check
+from bimetal.topology import versions
+from bimetal.topology.interfaces import NicInfo, local_nics, pick, unmatched, usable_toward
 from bimetal.topology.vendor import VENDORS
+from bimetal.version import __version__
 
-RECORD_VERSION = 1
+RECORD_VERSION = 2
+"""1: before device index, subnet prefixes and versions were carried."""
 _MAX_NICS = 64
 _MAX_STR = 256
+__all__ = ["RECORD_VERSION", "ClusterView", "NicInfo", "RankRecord", "TopologyError", "format_rows", "local_nics"]
 
 
 class TopologyError(UserError, ValueError):
     """A rank record or cluster view that fails validation."""
 
 
-@dataclass(frozen=True)
-class NicInfo:
-    """One network interface a rank may use: its kernel name and IPv4/IPv6 address."""
-
-    name: str
-    address: str
+def _local(key: str) -> Any:
+    return lambda: versions.local_versions()[key]
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,22 @@ class RankRecord:
     memory_bytes: int
     """Device memory; 0 when unknown (CPU simulation)."""
     nics: tuple[NicInfo, ...] = field(default_factory=tuple)
+    """The node's candidate interfaces for the cross-vendor transports (``interfaces.candidate_nics``)."""
+    device_index: int = -1
+    """Index of the rank's GPU among those its process sees (``local_device``); -1: the CPU."""
+    torch: str = field(default_factory=_local("torch"))
+    """``torch.__version__`` (``2.6.0+cu124``)."""
+    bimetal: str = field(default_factory=_local("bimetal"))
+    engine: str = field(default_factory=_local("engine"))
+    """The Mooncake transfer engine's version; empty when none is installed."""
+    wire: dict[str, int] = field(default_factory=versions.wire_versions)
+    """Protocol version of each of bimetal's transports."""
+    named: tuple[str, ...] = ()
+    """The interface names or patterns this rank was given (``parallel.interfaces``, else ``BIMETAL_IFACES``)."""
+
+    def software(self) -> dict[str, object]:
+        """The versions ``versions.mismatch`` compares."""
+        return {"torch": self.torch, "bimetal": self.bimetal, "engine": self.engine, "wire": self.wire}
 
     def to_json(self) -> str:
         payload = asdict(self)
@@ -69,6 +87,14 @@ class RankRecord:
         where = f"rank {expected_rank}" if expected_rank is not None else "a rank"
         if not isinstance(payload, dict):
             raise TopologyError(f"topology record of {where} is a {type(payload).__name__}, not an object")
+        got = payload.get("version")
+        if got != RECORD_VERSION:  # before the fields: another bimetal's record has other fields
+            known = isinstance(got, int) and not isinstance(got, bool)
+            age = ("an older" if got < RECORD_VERSION else "a newer") if known else "another"  # type: ignore[operator]
+            label = f"a version-{got}" if known else "an unversioned"
+            raise TopologyError(f"{where} published {label} topology record but this bimetal "
+                                f"({__version__}) reads version {RECORD_VERSION}: {where} runs {age} "
+                                "bimetal; install one bimetal release on every node.")
 
         def fail(key: str, why: str) -> TopologyError:
             return TopologyError(f"topology record of {where}: field {key!r} {why}")
@@ -77,10 +103,10 @@ class RankRecord:
             key = p.key
             if p.kind == "unknown" and "[" in key:  # a NIC entry with other keys than name and address
                 key = key.rsplit(".", 1)[0]
-                return str(fail(key, "must be an object with exactly 'name' and 'address'"))
+                return str(fail(key, "must be an object with exactly 'name', 'address' and 'prefix'"))
             why = {"unknown": "is not a known field", "missing": "is missing"}.get(p.kind)
             if why is None and key.startswith("nics["):
-                why = "must be an object with exactly 'name' and 'address'"
+                why = "must be an object with exactly 'name', 'address' and 'prefix'"
                 key = key.split(".", 1)[0]
             if why is None:
                 why = {"int": "must be a non-negative integer", "str":
@@ -94,8 +120,6 @@ class RankRecord:
             wire = check(RecordWire, payload, f"topology record of {where}", explain)
         except UserError as exc:
             raise TopologyError(str(exc)) from None
-        if wire.version != RECORD_VERSION:
-            raise fail("version", f"is {wire.version!r}, this bimetal reads version {RECORD_VERSION}")
         if expected_rank is not None and wire.rank != expected_rank:
             raise fail("rank", f"says {wire.rank}, but the record was published by rank {expected_rank}")
         if wire.vendor not in VENDORS:
@@ -104,12 +128,16 @@ class RankRecord:
             if not 0 < len(nic.name) <= 15 or not nic.name.isprintable() or "/" in nic.name:
                 raise fail(f"nics[{i}].name", f"is not an interface name: {nic.name!r}")
             try:
-                ipaddress.ip_address(nic.address)
+                full = 32 if ipaddress.ip_address(nic.address).version == 4 else 128
             except ValueError:
                 raise fail(f"nics[{i}].address", f"is not an IP address: {nic.address!r}") from None
+            if not 0 <= nic.prefix <= full:
+                raise fail(f"nics[{i}].prefix", f"is {nic.prefix}, not a prefix length of 0 to {full}")
         return RankRecord(rank=wire.rank, local_rank=wire.local_rank, host=wire.host, vendor=wire.vendor,
                           device=wire.device, memory_bytes=wire.memory_bytes,
-                          nics=tuple(NicInfo(n.name, n.address) for n in wire.nics))
+                          nics=tuple(NicInfo(n.name, n.address, n.prefix) for n in wire.nics),
+                          device_index=wire.device_index, torch=wire.torch, bimetal=wire.bimetal,
+                          engine=wire.engine, wire=dict(wire.wire), named=tuple(wire.named))
 
 
 Count = Annotated[int, Field(ge=0)]
@@ -124,6 +152,7 @@ class NicWire:
 
     name: str
     address: str
+    prefix: int
 
 
 @dataclass(frozen=True)
@@ -140,6 +169,12 @@ class RecordWire:
     device: Text
     memory_bytes: Count
     nics: Annotated[list[NicWire], Field(max_length=_MAX_NICS)]
+    device_index: Annotated[int, Field(ge=-1)]
+    torch: Text
+    bimetal: Text
+    engine: Annotated[str, Field(max_length=_MAX_STR)]
+    wire: Annotated[dict[str, Count], Field(max_length=16)]
+    named: Annotated[list[Text], Field(max_length=_MAX_NICS)]
 
 
 class ClusterView:
@@ -160,6 +195,19 @@ class ClusterView:
                     f"ranks {seen[key]} and {r.rank} both claim local rank {r.local_rank} on host {r.host!r}"
                 )
             seen[key] = r.rank
+        every_nic = [n.name for r in self.records for n in r.nics]
+        for r in self.records:  # a name no node has is a typo: refused, not skipped in silence
+            missing = unmatched(r.named, every_nic)
+            if missing:
+                raise TopologyError(f"the interface list of rank {r.rank} (host {r.host}) names {', '.join(missing)}, "
+                                    "which matches no interface on any node of this job; fix the name in "
+                                    "parallel.interfaces or BIMETAL_IFACES (each node uses the listed interfaces it "
+                                    "has).")
+        first = self.records[0]
+        for r in self.records[1:]:
+            why = versions.mismatch(first.rank, r.rank, first.software(), r.software())
+            if why:
+                raise TopologyError(why)
 
     @property
     def world_size(self) -> int:
@@ -196,12 +244,24 @@ class ClusterView:
     def to_json(self) -> str:
         return json.dumps([json.loads(r.to_json()) for r in self.records])
 
-    def format_table(self) -> str:
-        rows = [("rank", "local", "host", "vendor", "device", "memory", "nics")]
+    def chosen_nics(self, rank: int, count: int = 1) -> list[NicInfo]:
+        """The interfaces ``rank`` takes toward the ranks of every other node (``interfaces.usable_toward`` and
+        ``pick``): what its cpu-forward stripes and device-direct address use unless a group's peers say
+        otherwise."""
+        me = self.records[rank]
+        peers = [r.nics for r in self.records if r.host != me.host]
+        return pick(usable_toward(me.nics, peers), me.local_rank, count)
+
+    def format_table(self, stripes: int = 1, named: Sequence[str] = ()) -> str:
+        """One row per rank; ``uses``: the interface(s) it takes for cross-node traffic (``stripes`` of them; the
+        ``named`` ones where cpu-forward's stripes are named, ``BIMETAL_CF_IFACES``)."""
+        rows = [("rank", "local", "host", "vendor", "gpu", "device", "memory", "uses", "nics")]
         for r in self.records:
             mem = f"{r.memory_bytes / 2**30:.0f} GiB" if r.memory_bytes else "-"
-            nics = " ".join(f"{n.name}={n.address}" for n in r.nics) or "-"
-            rows.append((str(r.rank), str(r.local_rank), r.host, r.vendor, r.device, mem, nics))
+            nics = " ".join(f"{n.name}={n.address}/{n.prefix}" for n in r.nics) or "-"
+            uses = ",".join(named or [n.name for n in self.chosen_nics(r.rank, stripes)]) or "-"
+            gpu = f"cuda:{r.device_index}" if r.device_index >= 0 else "cpu"
+            rows.append((str(r.rank), str(r.local_rank), r.host, r.vendor, gpu, r.device, mem, uses, nics))
         return format_rows(rows)
 
 
@@ -212,25 +272,3 @@ def format_rows(rows: Sequence[Sequence[str]]) -> str:
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
-
-def local_nics(include_loopback: bool | None = None) -> list[NicInfo]:
-    """IPv4 interfaces of this host (or network namespace) that are up, in name order.
-
-    Loopback is left out unless it is all there is (a laptop, a bare namespace), or asked for.
-    """
-    import psutil
-
-    stats = psutil.net_if_stats()
-    found: list[NicInfo] = []
-    for name, addrs in sorted(psutil.net_if_addrs().items()):
-        if name in stats and not stats[name].isup:
-            continue
-        for addr in addrs:
-            if addr.family == socket.AF_INET:
-                found.append(NicInfo(name, addr.address))
-                break
-    loopback = [n for n in found if ipaddress.ip_address(n.address).is_loopback]
-    others = [n for n in found if not ipaddress.ip_address(n.address).is_loopback]
-    if include_loopback is None:
-        return others or loopback
-    return found if include_loopback else others

@@ -14,7 +14,6 @@ the two agree to float32 rounding.
 from __future__ import annotations
 
 import logging
-import os
 import re
 import time
 from collections.abc import Iterator
@@ -31,6 +30,7 @@ from bimetal.comm.meter import TransportMeter
 from bimetal.config import TrainConfig
 from bimetal.errors import JobAborted, UserError
 from bimetal.supervisor import report_step
+from bimetal.topology.local_device import bind_rank_device
 from bimetal.train import checkpoint
 from bimetal.train.console import StepConsole
 from bimetal.train.data import TokenStream, load_tokens
@@ -74,21 +74,6 @@ def _during(rank: int, step: int, phase: str, group: str | None) -> Iterator[Non
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         reason = re.sub(r"\[[^\]\s]*\.(?:cc|cpp|h):\d+\]\s*", "", reason)  # Gloo's source locations
         raise JobAborted(f"rank {rank} stopped in step {step} during the {phase}{where}: {reason}") from exc
-
-
-def _device() -> torch.device:
-    """This rank's GPU (CUDA and ROCm torch both say ``cuda``), or the CPU when none or when simulating."""
-    from bimetal.topology.vendor import is_simulated
-
-    if torch.cuda.is_available() and not is_simulated():
-        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(dev)
-        return dev
-    if torch.cuda.is_available() and env.read("BIMETAL_SIMULATE_DEVICE") == "cuda":
-        dev = torch.device("cuda", 0)  # simulated vendors sharing the one GPU (scripts/gpu_check.sh)
-        torch.cuda.set_device(dev)
-        return dev
-    return torch.device("cpu")
 
 
 def _autocast_dtype(dtype: str, device: torch.device) -> torch.dtype | None:
@@ -185,6 +170,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     if cfg.training.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
 
+    # The rank's GPU, bound before any process group exists: NCCL/RCCL and every transport buffer land on it.
+    device = bind_rank_device()
     ctx = None
     if cfg.parallel.pp * cfg.parallel.dp * cfg.parallel.tp > 1:
         from bimetal.parallel import ParallelDims, init_parallel
@@ -193,20 +180,21 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                                          allow_cross_vendor_dp=cfg.parallel.allow_cross_vendor_dp),
                             transports={"pp": cfg.parallel.pp_transport, "dp": cfg.parallel.dp_transport,
                                         "homogeneous": cfg.parallel.homogeneous_backend},
-                            timeout=timedelta(seconds=cfg.parallel.timeout_s))
+                            timeout=timedelta(seconds=cfg.parallel.timeout_s),
+                            interfaces=cfg.parallel.interfaces or None)
     smesh = None
     try:
         if ctx is not None and cfg.parallel.dp_shard > 1:
             from bimetal.parallel.mesh import build_stage_mesh
 
-            smesh = build_stage_mesh(ctx, cfg.parallel.dp_shard, _device().type, {"dp": cfg.parallel.dp_transport},
+            smesh = build_stage_mesh(ctx, cfg.parallel.dp_shard, device.type, {"dp": cfg.parallel.dp_transport},
                                      timedelta(seconds=cfg.parallel.timeout_s))
             if ctx.rank == 0:
                 from bimetal.parallel.groups import format_group_table
 
                 print("bimetal FSDP mesh groups (shard, replicate; a name from the table above is that group):\n"
                       + format_group_table(smesh.specs), flush=True)
-        return _run(cfg, ctx, smesh, models, args, split, tokens)
+        return _run(cfg, ctx, smesh, models, args, split, tokens, device)
     finally:
         if smesh is not None:
             smesh.destroy()
@@ -243,12 +231,11 @@ def _build_stage(cfg: TrainConfig, ctx: Any, models: Any, args: Any, split: list
     return model, local, mesh
 
 
-def _run(cfg: TrainConfig, ctx: Any, smesh: Any, models: Any, args: Any, split: list[int], tokens: Any
-         ) -> dict[str, Any]:
+def _run(cfg: TrainConfig, ctx: Any, smesh: Any, models: Any, args: Any, split: list[int], tokens: Any,
+         device: torch.device) -> dict[str, Any]:
     stage, n_stages = (ctx.stage, ctx.num_stages) if ctx else (0, 1)
     dp_rank, dp_size = (ctx.dp_rank, ctx.dp_size) if ctx else (0, 1)
     rank = ctx.rank if ctx else 0
-    device = _device()
     amp = _autocast_dtype(cfg.training.dtype, device)
     family = cfg.model.family
     model, local, mesh = _build_stage(cfg, ctx, models, args, split, stage, n_stages, device, amp, smesh)

@@ -15,26 +15,58 @@ The group itself is ``pg.CpuForwardProcessGroup``; its module docstring maps the
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 
 from bimetal.comm.cpu_forward.pg import CpuForwardProcessGroup, StagedNativeGroup
-from bimetal.comm.striping import CpuForwardOptions, build_stripes, choose_interfaces
+from bimetal.comm.striping import CpuForwardOptions, build_stripes
+from bimetal.topology.exchange import host_identity
+from bimetal.topology.interfaces import candidate_nics, named_nics
+from bimetal.topology.reach import choose_and_confirm
 
 __all__ = ["CpuForwardOptions", "CpuForwardProcessGroup", "StagedNativeGroup", "create_process_group"]
 
 
 def create_process_group(dist_backend_opts: Any, pg_options: Any) -> CpuForwardProcessGroup:
-    """The creator torch calls (extended API) for every group on ``bimetal_cpu_forward``."""
-    opts = pg_options if isinstance(pg_options, CpuForwardOptions) else CpuForwardOptions()
-    opts = opts.resolved()
+    """The creator torch calls (extended API) for every group on ``bimetal_cpu_forward``.
+
+    Before any Gloo context connects, the members agree on their interfaces and prove they reach each other on
+    them (``bimetal.topology.reach``): an interface that cannot reach a peer is one sentence within seconds.
+    """
+    opts = _options(pg_options).resolved()
     rank, size = dist_backend_opts.group_rank, dist_backend_opts.group_size
     timeout = dist_backend_opts.timeout
-    interfaces = choose_interfaces(opts)
-    stripes = build_stripes(dist_backend_opts.store, rank, size, timeout, interfaces)
-    pg = CpuForwardProcessGroup(stripes, rank, size, timeout, opts,
-                                global_ranks=list(dist_backend_opts.global_ranks_in_group) or None,
+    timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
+    global_ranks = list(dist_backend_opts.global_ranks_in_group) or list(range(size))
+    store = dist_backend_opts.store
+    if opts.interfaces:  # the stripes' interfaces as named (BIMETAL_CF_IFACES), checked as they are
+        exact = list(opts.interfaces)
+        chosen = choose_and_confirm(store, rank, size, global_ranks, lambda: named_nics(exact), opts.local_rank or 0,
+                                    opts.stripes, REACH_PREFIX, f"cpu-forward group of ranks {global_ranks}", timeout,
+                                    exact=True)
+    else:
+        chosen = choose_and_confirm(store, rank, size, global_ranks,
+                                    lambda: candidate_nics(opts.allowed_interfaces, host_identity()),
+                                    opts.local_rank or 0, opts.stripes, REACH_PREFIX,
+                                    f"cpu-forward group of ranks {global_ranks}", timeout)
+    interfaces: list[str | None] = [n.name for n in chosen] if chosen else [None] * opts.stripes
+    stripes = build_stripes(store, rank, size, timeout, interfaces)
+    pg = CpuForwardProcessGroup(stripes, rank, size, timeout, opts, global_ranks=global_ranks or None,
                                 interfaces=interfaces, checksum=bool(opts.checksum))
-    pg.store = dist.PrefixStore("bimetal_cf", dist_backend_opts.store)
+    pg.store = dist.PrefixStore("bimetal_cf", store)
     return pg
+
+
+REACH_PREFIX = "bimetal_reach/cf"
+
+
+def _options(pg_options: Any) -> CpuForwardOptions:
+    """``pg_options`` as cpu-forward options: its own, or (a device-direct group falling back) the interfaces a
+    ``DeviceDirectOptions`` or dict of its fields allowed."""
+    if isinstance(pg_options, CpuForwardOptions):
+        return pg_options
+    allowed = pg_options.get("allowed_interfaces") if isinstance(pg_options, dict) else \
+        getattr(pg_options, "allowed_interfaces", None)
+    return CpuForwardOptions(allowed_interfaces=list(allowed or []))

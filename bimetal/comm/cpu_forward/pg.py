@@ -32,6 +32,7 @@ from bimetal.comm.cpu_forward.stats import StripeStats
 from bimetal.comm.cpu_forward.work import Workers
 from bimetal.comm.staging import CopyStreams, PinnedPool, force_staging, is_device
 from bimetal.comm.striping import SINGLE_BYTES, CpuForwardOptions, chunk_plan
+from bimetal.topology.local_device import rank_device
 from bimetal.transports import SIM_NATIVE
 
 
@@ -53,7 +54,9 @@ class CpuForwardProcessGroup(BimetalProcessGroup):
         slab = max(options.chunk_bytes, SINGLE_BYTES if len(stripes) > 1 else 0)
         # a failover transfer keeps one chunk per stripe in flight: a send and a receive at once need 2K + more
         slabs = max(options.pool_buffers, 4 * len(stripes) if len(stripes) > 1 else 0)
-        self.pool = PinnedPool(slabs * slab, slab)
+        self.device = rank_device()
+        """This rank's device as the launcher assigned it (``local_device``): the GPU the pool pins for."""
+        self.pool = PinnedPool(slabs * slab, slab, device=self.device)
         """Pinned staging: ``pool_buffers`` slabs of the largest chunk, a bound in bytes (``staging``)."""
         self.stage_all = force_staging()
         """``BIMETAL_CF_FORCE_STAGING=1``: CPU tensors take the staged paths too (tests, ``gpu_check --cpu``)."""

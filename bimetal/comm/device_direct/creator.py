@@ -13,6 +13,7 @@ naming both ranks, their hosts and fabrics (``error``) or a cpu-forward group th
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 import warnings
@@ -22,10 +23,13 @@ from typing import Any
 import torch.distributed as dist
 
 from bimetal.comm.device_direct.engine import Engine, EngineUnavailableError, choose_protocol, open_engine
-from bimetal.comm.device_direct.options import options_from
+from bimetal.comm.device_direct.options import DeviceDirectSettings, options_from
 from bimetal.comm.device_direct.pg import DeviceDirectProcessGroup
 from bimetal.comm.device_direct.probe import ProbeFailedError
-from bimetal.topology import store_exchange
+from bimetal.topology import local_device, store_exchange, versions
+from bimetal.topology.exchange import host_identity
+from bimetal.topology.interfaces import NicInfo, by_name, candidate_nics
+from bimetal.topology.reach import choose_and_confirm
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +40,9 @@ def create_process_group(dist_backend_opts: Any, pg_options: Any) -> dist.Proces
     size, timeout = dist_backend_opts.group_size, dist_backend_opts.timeout
     global_ranks = list(dist_backend_opts.global_ranks_in_group) or list(range(size))
     opts = options_from(pg_options)
-    store.set_timeout(timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout)))
+    timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
+    store.set_timeout(timeout)
+    opts = _choose_host(store, rank, size, global_ranks, opts, timeout)
     engine: Engine | None = None
     reason = ""
     try:
@@ -50,6 +56,7 @@ def create_process_group(dist_backend_opts: Any, pg_options: Any) -> dist.Proces
     failed = [(p, answer) for p, answer in enumerate(answers) if answer != "ok"]
     if not failed:
         assert engine is not None
+        _same_engine_release(store, rank, size, global_ranks, engine)
         try:
             return DeviceDirectProcessGroup(store, rank, size, timeout, global_ranks, engine, opts,
                                             opts.torch_device())
@@ -66,6 +73,36 @@ def create_process_group(dist_backend_opts: Any, pg_options: Any) -> dist.Proces
         raise EngineUnavailableError(f"the device-direct engine could not start {where}: {why} "
                                      "(or set BIMETAL_DD_FALLBACK=cpu-forward to use cpu-forward instead)")
     return _fall_back(dist_backend_opts, pg_options, f"device-direct engine could not start {where} ({why})")
+
+
+def _choose_host(store: dist.Store, rank: int, size: int, global_ranks: list[int], opts: DeviceDirectSettings,
+                 timeout: timedelta) -> DeviceDirectSettings:
+    """The host address the engine and control channel bind to: the one named (``BIMETAL_DD_HOST``), else this
+    rank's interface among those the members agree on; either way proven to reach every member
+    (``bimetal.topology.reach``), so an address a peer cannot reach is one sentence, not a hang."""
+    what = f"device-direct group of ranks {global_ranks}"
+    if opts.host_named:
+        named = by_name(opts.host) or NicInfo("(address)", opts.host)
+        choose_and_confirm(store, rank, size, global_ranks, lambda: [named], 0, 1, REACH_PREFIX, what, timeout,
+                           exact=True)
+        return opts
+    chosen = choose_and_confirm(store, rank, size, global_ranks,
+                                lambda: candidate_nics(list(opts.allowed_interfaces), host_identity()),
+                                local_device.local_rank(), 1, REACH_PREFIX, what, timeout)
+    return dataclasses.replace(opts, host=chosen[0].address if chosen else "127.0.0.1")
+
+
+def _same_engine_release(store: dist.Store, rank: int, size: int, global_ranks: list[int], engine: Engine) -> None:
+    """Every member runs one release of the transfer engine (its wire), else every member stops in one sentence."""
+    mine = versions.local_versions(global_ranks[rank])["engine"]
+    seen: list[str] = store_exchange.exchange(store, "bimetal_dd_engine_release", rank, mine, range(size))
+    why = versions.engine_mismatch(global_ranks, seen)
+    if why:
+        engine.close()
+        raise EngineUnavailableError(why)
+
+
+REACH_PREFIX = "bimetal_reach/dd"
 
 
 def _fall_back(dist_backend_opts: Any, pg_options: Any, what: str) -> dist.ProcessGroup:

@@ -11,7 +11,6 @@ unusable one is an engine that cannot start and follows the fallback policy, as 
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -21,22 +20,25 @@ import torch
 from bimetal.comm.device_direct.engine import EngineUnavailableError
 from bimetal.env import read as read_env
 from bimetal.errors import UserError
+from bimetal.topology import local_device
 
 FALLBACKS = ("error", "cpu-forward")
 MAX_INLINE = 256 << 10  # the largest payload a control frame may carry
 
 
 def default_host(local_rank: int | None = None, nics: list[Any] | None = None) -> str:
-    """The address of NIC ``local_rank`` of this node (one NIC per GPU); the first NIC when the node has fewer
-    NICs than local ranks; loopback when it has none. ``local_rank`` defaults to ``LOCAL_RANK`` (else 0)."""
+    """The address of candidate NIC ``local_rank`` of this node (one NIC per GPU; the candidates of
+    ``bimetal.topology.interfaces``, which leave out bridges and container networks); the first one when the
+    node has fewer than local ranks; loopback when it has none. ``local_rank`` defaults to ``LOCAL_RANK``.
+    This is the choice without the peers; a group's creator narrows it by their subnets (``reach``)."""
     if nics is None:
-        from bimetal.topology.records import local_nics
+        from bimetal.topology.interfaces import candidate_nics
 
-        nics = local_nics()
+        nics = candidate_nics()
     if local_rank is None:
         try:
-            local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        except ValueError:
+            local_rank = local_device.local_rank()
+        except UserError:
             local_rank = 0
     if not nics:
         return "127.0.0.1"
@@ -48,7 +50,8 @@ class DeviceDirectSettings:
     """The resolved knobs one device-direct group runs with (every field set and checked)."""
 
     host: str
-    """Address this rank's engine and control listener bind to."""
+    """Address this rank's engine and control listener bind to; empty (with ``host_named`` False): chosen by the
+    group's creator from the interfaces the members agree on."""
     protocol: str = "auto"
     """``rdma``, ``tcp`` or ``auto`` (RDMA where verbs devices exist)."""
     engine: str = "mooncake"
@@ -65,19 +68,23 @@ class DeviceDirectSettings:
     fallback: str = "error"
     """When the engine cannot start: ``error`` (fail with the reason) or ``cpu-forward`` (warn and use it)."""
     device: str = ""
-    """Where the receive slots live; empty: the current GPU when there is one, else the CPU."""
+    """Where the receive slots live; empty: this rank's GPU (``local_device.rank_device``), else the CPU."""
     devices: tuple[str, ...] = ()
     """The RDMA devices the engine may open (empty: every one it finds)."""
     reg_cache_bytes: int = 4 << 30
     """Bytes of user memory (rendezvous receive tensors) kept registered, least recently used out first."""
+    host_named: bool = True
+    """Whether ``host`` was given (option or ``BIMETAL_DD_HOST``); False: the group's creator chooses it."""
+    allowed_interfaces: tuple[str, ...] = ()
+    """The node's interfaces the host address may come from (``parallel.interfaces``); empty: ``BIMETAL_IFACES``,
+    else the default candidates."""
 
     def torch_device(self) -> torch.device:
-        """The receive-slot device: the local GPU when there is one (so no byte bounces through the host)."""
+        """The receive-slot device: the rank's own GPU as the launcher assigned it (so no byte bounces through the
+        host), never "the current device" of whichever thread creates the group."""
         if self.device:
             return torch.device(self.device)
-        if torch.cuda.is_available():
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
+        return local_device.rank_device()
 
 
 @dataclass(frozen=True)
@@ -85,7 +92,7 @@ class DeviceDirectOptions:
     """Options of a device-direct group (``pg_options`` of ``dist.new_group``); ``None``: env var, else default."""
 
     host: str | None = None
-    """``BIMETAL_DD_HOST``; default: NIC ``LOCAL_RANK`` of the node, else the first NIC, else loopback."""
+    """``BIMETAL_DD_HOST``; default: this rank's interface among those the members agree on at group creation."""
     protocol: str | None = None
     """``BIMETAL_DD_PROTOCOL``: ``rdma``, ``tcp`` or ``auto`` (default)."""
     engine: str | None = None
@@ -102,13 +109,16 @@ class DeviceDirectOptions:
     fallback: str | None = None
     """``BIMETAL_DD_FALLBACK``: ``error`` (default) or ``cpu-forward`` when an engine cannot start."""
     device: str | None = None
-    """``BIMETAL_DD_DEVICE``: where the receive slots live (default: the current GPU, else the CPU)."""
+    """``BIMETAL_DD_DEVICE``: where the receive slots live (default: this rank's GPU, else the CPU)."""
     devices: str | list[str] | None = None
     """``BIMETAL_DD_DEVICES``: the RDMA devices the engine may open, e.g. ``mlx5_0,mlx5_1`` (default: every one
     it finds); each must exist on the host."""
     reg_cache_bytes: int | None = None
     """``BIMETAL_DD_REG_CACHE_BYTES``: bytes of user tensors (rendezvous receives) kept registered with the
     engine, least recently used out first (default 4 GiB)."""
+    allowed_interfaces: list[str] | None = None
+    """The node's interfaces (names or patterns) the default host may come from (``parallel.interfaces``);
+    None: ``BIMETAL_IFACES``, else the default candidates."""
 
     @classmethod
     def from_pg_options(cls, pg_options: Any) -> DeviceDirectOptions:
@@ -145,8 +155,11 @@ class DeviceDirectOptions:
             raise EngineUnavailableError(f"unknown device-direct fallback {fallback!r}; set BIMETAL_DD_FALLBACK to "
                                          "error or cpu-forward")
         defaults = DeviceDirectSettings(host="")
+        host = str(get("host", "") or "")
+        allowed = tuple(self.allowed_interfaces or ())
         return DeviceDirectSettings(
-            host=str(get("host", "") or default_host()), protocol=str(get("protocol", "auto")),
+            host=host, host_named=bool(host), allowed_interfaces=allowed,
+            protocol=str(get("protocol", "auto")),
             engine=str(get("engine", "mooncake")),
             chunk_bytes=_integer("chunk_bytes", get("chunk_bytes", defaults.chunk_bytes)),
             slots=_integer("slots", get("slots", defaults.slots)),

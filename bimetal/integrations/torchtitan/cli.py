@@ -216,6 +216,9 @@ def run_rank(titan_args: list[str], cpu: bool, split: list[int] | None, pp_trans
     """One rank: torchtitan's training loop (as its ``train.main``) on a ``BimetalTrainer``."""
     import torch
 
+    from bimetal.topology.local_device import bind_rank_device
+
+    bind_rank_device()  # first: one sentence when LOCAL_RANK has no GPU, before torchtitan or any group starts
     if cpu:
         from bimetal.integrations.torchtitan import cpu_support
 

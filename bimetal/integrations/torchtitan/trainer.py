@@ -34,6 +34,7 @@ from bimetal.integrations.torchtitan._torch_hooks import mesh_backends
 from bimetal.integrations.torchtitan.mesh import MeshBackends
 from bimetal.parallel.context import _init_world
 from bimetal.topology.exchange import exchange_topology
+from bimetal.topology.local_device import bind_rank_device
 from bimetal.topology.vendor import detect_vendor, is_simulated
 
 
@@ -88,6 +89,11 @@ class BimetalTrainer(Trainer):
 
     def init_distributed(self) -> ParallelDims:
         timeout = timedelta(seconds=self.config.comm.init_timeout_seconds)
+        # before the world exists: the rank's GPU as bimetal's rules choose it (``run_rank`` bound it already,
+        # before torchtitan's own choice, which follows the same rules; a difference would be a bug)
+        device = bind_rank_device()
+        if device.type != "cpu" and self.device != device:
+            raise RuntimeError(f"torchtitan chose {self.device} but bimetal {device} for this rank")
         register_backends()
         torch.autograd.set_multithreading_enabled(False)  # as torchtitan's own init_distributed does
         vendor = detect_vendor(int(os.environ.get("RANK", "0")))

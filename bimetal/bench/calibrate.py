@@ -21,6 +21,7 @@ from typing import Any
 
 from bimetal.errors import UserError
 from bimetal.lab.spec import LabSpec, load_spec
+from bimetal.outputs import check_folder
 from bimetal.plan import cost
 from bimetal.plan.stagesplit import Rank, best_split, even_split, predict
 
@@ -126,6 +127,8 @@ def main(argv: list[str]) -> int:
     if a.steps <= a.warmup or a.repeats < 1 or a.microbatches < 1:
         raise UserError(f"need --steps > --warmup, --repeats >= 1 and --microbatches >= 1 "
                         f"(got {a.steps}, {a.warmup}, {a.repeats}, {a.microbatches}).")
+    if a.out:
+        check_folder("--out", a.out)
     if not Path(a.config).is_file():
         raise UserError(f"trainer config {a.config} not found; pass --config configs/demo.toml.")
     load_spec(a.lab, a.id)  # a bad spec fails before the profile runs

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from bimetal.errors import UserError
+from bimetal.outputs import check_folder
 from bimetal.sizes import parse_size
 
 DEFAULT_SIZES = "4K,64K,1M,4M,16M,64M,256M"
@@ -68,6 +69,7 @@ def main(argv: list[str]) -> int:
     if "cpp-ceiling" in transports:
         _cpp_tools()
     if "RANK" not in os.environ:
+        check_folder("--out", args.out)  # rank 0 writes it after every measurement
         from bimetal.launch import launch
 
         return launch(["-m", "bimetal.bench.comm", *argv], simulate=args.simulate)

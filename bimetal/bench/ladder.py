@@ -30,6 +30,7 @@ from bimetal.errors import UserError
 from bimetal.lab.cgroup import RANK_ENV
 from bimetal.lab.cluster import LabCluster
 from bimetal.lab.spec import parse_spec
+from bimetal.outputs import check_folder
 
 _log = logging.getLogger(__name__)
 
@@ -138,6 +139,7 @@ def main(argv: list[str]) -> int:
         raise UserError(f"trainer config {args.config} does not exist; pass --config configs/demo.toml")
     if args.steps <= args.warmup:
         raise UserError(f"--steps {args.steps} must exceed --warmup {args.warmup}")
+    check_folder("--out", args.out)
     rungs = [r for r in RUNGS if r.key in args.rungs]
     if "a" not in args.rungs:
         raise UserError("the ladder needs rung 'a' (the baseline every ratio divides by); keep it in --rungs")

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from bimetal.errors import UserError
+from bimetal.outputs import check_folder
 
 ROOT = Path(__file__).resolve().parents[2]
 WARMUP = 3
@@ -62,6 +63,7 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     if args.steps <= WARMUP or args.rounds < 1:
         raise UserError(f"--steps must exceed {WARMUP} and --rounds be at least 1.")
+    check_folder("--out", args.out)
     variants = _variants(args.dp)
     results: dict[str, dict[str, Any]] = {name: {"tokens_per_s": []} for name in variants}
     with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:

@@ -26,6 +26,7 @@ from typing import Any
 import tomli_w
 
 from bimetal.errors import UserError
+from bimetal.outputs import check_file, write_text
 from bimetal.plan.profile import ProfileRecord
 from bimetal.plan.spec import load_spec, parse_spec
 from bimetal.schema import SHAPE, check
@@ -100,6 +101,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--group", action="append", default=[], help="group name to set (repeatable; default all)")
     ap.add_argument("--out", required=True, help="spec TOML to write")
     a = ap.parse_args(argv)
+    check_file("--out", a.out)
     names = [g.name for g in load_spec(a.spec).groups]  # refuses a bad spec with the key and file named
     data = tomllib.loads(Path(a.spec).read_text())
     unknown = sorted(set(a.group) - set(names))
@@ -110,7 +112,7 @@ def main(argv: list[str]) -> int:
         if not a.group or name in a.group:
             table.update(fitted)
     parse_spec(data, a.out)  # the result must be a valid spec before it is written
-    Path(a.out).write_text(tomli_w.dumps(data))
+    write_text(a.out, tomli_w.dumps(data))
     print(f"{a.spec} -> {a.out}: " + ", ".join(f"{k} = {v}" for k, v in fitted.items())
           + f" on {', '.join(a.group) or 'every group'}")
     return 0

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from bimetal.errors import UserError
+from bimetal.outputs import check_file, write_text
 from bimetal.plan import cost
 from bimetal.schema import SHAPE, check
 
@@ -219,8 +220,9 @@ def profile_main(argv: list[str]) -> int:
     ap.add_argument("--threads", type=int, default=1, help="CPU threads (torch.set_num_threads)")
     ap.add_argument("--out", required=True, help="JSON profile to write")
     a = ap.parse_args(argv)
+    check_file("--out", a.out)  # before the minutes of timing
     prof = profile(a.model, a.seq, a.micro_batch, a.repeats, a.threads)
-    Path(a.out).write_text(json.dumps(prof, indent=1))
+    write_text(a.out, json.dumps(prof, indent=1))
     parts = ", ".join(f"{k} {v['fwd_s'] * 1e3:.2f}+{v['bwd_s'] * 1e3:.2f}+{v['optim_s'] * 1e3:.2f} ms"
                       for k, v in prof["parts"].items())
     print(f"{a.model} on {prof['device']} (mb {a.micro_batch} x seq {a.seq}; fwd+bwd+optim): {parts}; "

@@ -393,7 +393,7 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | list[str] |
         raise blame_file(exc, path, overrides) from None
 
 
-_KEY_RE = re.compile(r"\b([a-z_]+\.[a-z_]+)=")
+_KEY_RE = re.compile(r"\b([a-z_]+\.[a-z_][a-z0-9_]*)=")
 
 
 def blame_file(exc: UserError, path: str | Path | None, overrides: dict[str, Any] | list[str] | None) -> UserError:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import logging
 import os
 from dataclasses import dataclass, field
@@ -177,6 +178,9 @@ def _checked(ns: argparse.Namespace, cfg: TrainConfig, vendors: list[str], in_ra
              note: str) -> Job:
     p = cfg.parallel
     world = p.pp * p.dp * p.tp
+    if cfg.metrics.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise UserError("metrics.tensorboard=true needs the tensorboard package, which is not installed; "
+                        "pip install tensorboard, or drop the setting.")
     _check_tp_divides_model(cfg)
     if world > 1:
         _check_transports(cfg)

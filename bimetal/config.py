@@ -222,6 +222,10 @@ class TrainConfig:
         if p.homogeneous_backend not in ("native", "gloo"):
             raise UserError(f"parallel.homogeneous_backend={p.homogeneous_backend!r} is unknown; "
                             "use 'native' or 'gloo'.")
+        for key in ("pp_transport", "dp_transport"):
+            if getattr(p, key) not in transports.NAMES:
+                raise UserError(f"parallel.{key}={getattr(p, key)!r} is unknown; use one of "
+                                f"{', '.join(transports.NAMES)}.")
         if p.schedule not in ("1f1b", "gpipe"):
             raise UserError(f"parallel.schedule={p.schedule!r} is unknown; use '1f1b' or 'gpipe'.")
         if p.microbatches < 1 or self.data.batch_size % p.microbatches:
@@ -393,11 +397,10 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | list[str] |
         raise blame_file(exc, path, overrides) from None
 
 
-_KEY_RE = re.compile(r"\b([a-z_]+\.[a-z_][a-z0-9_]*)=")
 
 
 def blame_file(exc: UserError, path: str | Path | None, overrides: dict[str, Any] | list[str] | None) -> UserError:
-    """``exc`` naming the config file when a key its sentence names (``section.key=``) was set there.
+    """``exc`` naming the config file when a key its sentence names (``section.key``) was set there.
 
     A value refused for what it is, or for how it fits with others, is then found in the file that holds it;
     a sentence about keys set only on the command line (or left at their defaults) is kept as it is.
@@ -412,7 +415,8 @@ def blame_file(exc: UserError, path: str | Path | None, overrides: dict[str, Any
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
         return exc
     in_file = {f"{section}.{key}" for section, body in data.items() if isinstance(body, dict) for key in body}
-    named = set(_KEY_RE.findall(message))
+    sections = "|".join(f.name for f in dataclasses.fields(TrainConfig))
+    named = {f"{a}.{b}" for a, b in re.findall(rf"\b({sections})\.([a-z_][a-z0-9_]*)\b", message)}
     if named & (in_file - set(overrides or {})):
         return UserError(f"{path}: {message}")
     return exc

@@ -141,6 +141,8 @@ def refusals(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[subpro
 @pytest.mark.parametrize(("name", "fragments"), [(c[0], c[3]) for c in REFUSALS], ids=[c[0] for c in REFUSALS])
 def test_refused_in_one_sentence_with_nothing_written(refusals, name: str, fragments: tuple[str, ...]) -> None:
     proc, folder = refusals[name]
+    if name == "simulate-device-cuda-without-gpu" and torch.cuda.is_available():
+        pytest.skip("the case is a GPU asked for and absent; this machine has one")
     _one_sentence(proc, *fragments)
     written = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
     assert set(written) <= {"a-file", "hf", "cfg.toml"}, written  # what the case itself put there

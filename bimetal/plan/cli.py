@@ -244,17 +244,18 @@ def _views(a: argparse.Namespace) -> int:
                "dp_transport": a.dp_transport or a.transport, "homogeneous": a.homogeneous, "ac": a.ac}
     m = cost.model_dims(lay["model"])
     split = lay["split"]
+    where = f"{a.config}: " if a.config else ""  # a layout read from a file: the sentence names it
     if split and (len(split) != lay["pp"] or sum(split) != m.layers or min(split) < 1):
-        raise UserError(f"split {split} must give each of the {lay['pp']} stages at least one layer, "
+        raise UserError(f"{where}split {split} must give each of the {lay['pp']} stages at least one layer, "
                         f"{m.layers} in all for {lay['model']}.")
     if lay["global_batch"] % (lay["dp"] * lay["micro_batch"]):
-        raise UserError(f"global batch {lay['global_batch']} is not a multiple of dp x micro-batch "
+        raise UserError(f"{where}global batch {lay['global_batch']} is not a multiple of dp x micro-batch "
                         f"({lay['dp']} x {lay['micro_batch']}).")
     p = evaluate(spec, lay["model"], lay["seq"], lay["global_batch"], lay["pp"], lay["dp"], lay["tp"],
                  lay["micro_batch"], lay["transport"], split, lay["dp_shard"], lay["ac"],
                  dp_transport=lay["dp_transport"], homogeneous=lay["homogeneous"], nics=a.nics)
     if p is None:
-        raise UserError(f"pp={lay['pp']} x dp={lay['dp']} x tp={lay['tp']} does not tile {a.spec} "
+        raise UserError(f"{where}pp={lay['pp']} x dp={lay['dp']} x tp={lay['tp']} does not tile {a.spec} "
                         f"({spec.total_gpus} GPUs, stages one vendor each, tp inside a node, dp_shard dividing dp).")
     print(show_plan(spec, p, lay["global_batch"]))
     return 0

@@ -202,7 +202,14 @@ def main(argv: list[str]) -> int:
     pp_transport = opts.pp_transport or plan.get("bimetal", {}).get("pp_transport", transports.DEFAULT)
     if opts.simulate:
         return _launch_simulated(opts, titan_args, split, pp_transport)
-    return run_rank(titan_args, cpu=opts.cpu or bool(read_env("BIMETAL_SIMULATE")), split=split,
+    cpu = opts.cpu or bool(read_env("BIMETAL_SIMULATE"))
+    if not cpu:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UserError(f"without --simulate or --cpu this is one rank of a GPU job, but this torch "
+                            f"({torch.__version__}) sees no GPU; add --simulate (e.g. nvidia:1,amd:1) or --cpu.")
+    return run_rank(titan_args, cpu=cpu, split=split,
                     pp_transport=pp_transport, all_gloo=opts.all_gloo)
 
 

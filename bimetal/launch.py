@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 
+from bimetal.args import ArgumentParser
 from bimetal.env import check_environment
 from bimetal.errors import UserError
 from bimetal.topology.vendor import SIMULATE_ENV, SimulationSpecError, parse_simulate
@@ -153,7 +154,7 @@ def port_in_use(port: int) -> str | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="bimetal launch", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="bimetal launch", description=__doc__.splitlines()[0])
     p.add_argument("--simulate", help="simulated vendors by global rank, e.g. nvidia:2,amd:2")
     p.add_argument("--nproc-per-node", type=int, help="ranks on this node (default: from --simulate)")
     p.add_argument("--nnodes", type=int, default=1)

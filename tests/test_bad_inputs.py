@@ -245,6 +245,9 @@ NOTHING_LOST: list[tuple[str, dict[str, str], object, str]] = [
      "sees no GPU"),
     ("transport-unknown-unused", {}, lambda t: ["train", "--parallel.dp_transport=rdma"],
      "parallel.dp_transport='rdma' is unknown"),
+    ("option-without-value", {}, lambda t: ["train", "--simulate"], "--simulate: expected one argument"),
+    ("option-not-a-number", {}, lambda t: ["launch", "--nnodes", "two", "--", "-c", "pass"], "invalid int value"),
+    ("argument-missing", {}, lambda t: ["plan"], "the following arguments are required: spec"),
 ]
 
 

@@ -10,7 +10,6 @@ split are then trained on the lab, interleaved and repeated; the table compares 
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import tempfile
@@ -19,6 +18,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from bimetal.args import ArgumentParser
 from bimetal.errors import UserError
 from bimetal.lab.spec import LabSpec, load_spec
 from bimetal.outputs import check_folder
@@ -109,7 +109,7 @@ def format_report(rep: dict[str, Any]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="bimetal plan calibrate", description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="bimetal plan calibrate", description=__doc__.splitlines()[0])
     ap.add_argument("--lab", required=True, help="lab spec TOML (see configs/lab/calib.toml)")
     ap.add_argument("--profile", help="profile JSON from `bimetal profile` (default: profile the local CPU now)")
     ap.add_argument("--model", default="debug", help="model flavour when profiling now")

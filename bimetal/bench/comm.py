@@ -29,6 +29,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from bimetal.args import ArgumentParser
 from bimetal.errors import UserError
 from bimetal.outputs import check_folder
 from bimetal.sizes import parse_size
@@ -37,7 +38,7 @@ DEFAULT_SIZES = "4K,64K,1M,4M,16M,64M,256M"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="bimetal bench comm", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="bimetal bench comm", description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default=DEFAULT_SIZES, help=f"message sizes (default {DEFAULT_SIZES})")
     p.add_argument("--iters", type=int, default=5,
                    help="samples per size and variant (at least 200 up to 64 KiB); a sample times 1-32 deliveries")

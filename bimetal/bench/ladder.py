@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bimetal.args import ArgumentParser
 from bimetal.errors import UserError
 from bimetal.lab.cgroup import RANK_ENV
 from bimetal.lab.cluster import LabCluster
@@ -122,7 +123,7 @@ def plot(table: dict[str, Any], path: Path, title: str) -> None:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="bimetal bench ladder", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="bimetal bench ladder", description=__doc__.splitlines()[0])
     p.add_argument("--config", default="configs/demo.toml", help="trainer config (pp/dp are forced to 2/2)")
     p.add_argument("--steps", type=int, default=10, help="training steps per run (default 10)")
     p.add_argument("--warmup", type=int, default=2, help="leading steps left out of tokens/s (default 2)")

@@ -24,6 +24,7 @@ import sys
 import time
 from typing import Any
 
+from bimetal.args import ArgumentParser
 from bimetal.errors import UserError
 from bimetal.lab.cluster import LabCluster
 from bimetal.lab.spec import load_spec
@@ -101,7 +102,7 @@ def _fmt_size(n: int) -> str:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m bimetal.bench.stripes", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="python -m bimetal.bench.stripes", description=__doc__.splitlines()[0])
     p.add_argument("--spec", default="configs/lab/rails4.toml")
     p.add_argument("--counts", default="1,2,3,4", help="stripe counts (default 1,2,3,4; 1 is the reference)")
     p.add_argument("--sizes", default="16M,64M", help="message sizes (default 16M,64M)")

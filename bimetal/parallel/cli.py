@@ -12,11 +12,12 @@ import math
 import os
 
 from bimetal import transports
+from bimetal.args import ArgumentParser
 from bimetal.errors import UserError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="bimetal topo", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="bimetal topo", description=__doc__.splitlines()[0])
     p.add_argument("--simulate", help="simulated vendors by global rank, e.g. nvidia:2,amd:2")
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--dp", type=int, default=1)

@@ -11,6 +11,7 @@ from dataclasses import asdict
 import tomli_w
 
 from bimetal import transports
+from bimetal.args import ArgumentParser
 from bimetal.errors import UserError
 from bimetal.outputs import check_file, write_text
 from bimetal.plan import cost
@@ -58,7 +59,7 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["fit"]:
         from bimetal.plan.fit import main as fit_main
         return fit_main(argv[1:])
-    ap = argparse.ArgumentParser(prog="bimetal plan", description=__doc__,
+    ap = ArgumentParser(prog="bimetal plan", description=__doc__,
                                  epilog="`bimetal plan calibrate --lab LAB` compares predictions with the lab; "
                                         "`bimetal plan fit SPEC --bench-comm JSON --out NEW` sets a spec's host-path "
                                         "constants from measurements.")

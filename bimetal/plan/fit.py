@@ -16,7 +16,6 @@ The spec is rewritten to ``--out`` with the fitted keys set on the chosen groups
 
 from __future__ import annotations
 
-import argparse
 import json
 import tomllib
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from typing import Any
 
 import tomli_w
 
+from bimetal.args import ArgumentParser
 from bimetal.errors import UserError
 from bimetal.outputs import check_file, write_text
 from bimetal.plan.profile import ProfileRecord
@@ -94,7 +94,7 @@ def fit_profile(path: str) -> dict[str, float]:
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="bimetal plan fit", description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="bimetal plan fit", description=__doc__.splitlines()[0])
     ap.add_argument("spec", help="cluster spec TOML to start from")
     ap.add_argument("--bench-comm", required=True, metavar="JSON", help="bench_comm.json from `bimetal bench comm`")
     ap.add_argument("--profile", metavar="JSON", help="`bimetal profile` JSON for host_copy_gbps")

@@ -12,7 +12,6 @@ lazily so that reading a profile needs no torch.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
@@ -21,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bimetal.args import ArgumentParser
 from bimetal.errors import UserError
 from bimetal.outputs import check_file, write_text
 from bimetal.plan import cost
@@ -212,7 +212,7 @@ def load_profile(path: str, where: str) -> float:
 
 
 def profile_main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="bimetal profile", description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="bimetal profile", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="debug", help=f"flavour: {', '.join(cost.MODELS)}")
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--micro-batch", type=int, default=1)

@@ -11,6 +11,7 @@ import argparse
 import os
 import sys
 
+from bimetal.args import ArgumentParser
 from bimetal.log import rank_logging
 from bimetal.train.metrics import format_summary
 from bimetal.train.prepare import add_options, prepare
@@ -19,7 +20,7 @@ from bimetal.train.prepare import add_options, prepare
 def main(argv: list[str]) -> int:
     from bimetal.train.keys import format_keys
 
-    parser = argparse.ArgumentParser(prog="bimetal train", description="Train across vendors.",
+    parser = ArgumentParser(prog="bimetal train", description="Train across vendors.",
                                      epilog=format_keys(), formatter_class=argparse.RawDescriptionHelpFormatter)
     add_options(parser)
     ns, rest = parser.parse_known_args(argv)

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from bimetal import transports
+from bimetal.args import ArgumentParser
 from bimetal.env import check_needs
 from bimetal.env import read as read_env
 from bimetal.errors import UserError
@@ -34,7 +35,7 @@ from bimetal.plan.titan_split import module_fqns_per_model_part, parse_split
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="bimetal titan", description=__doc__.splitlines()[0], add_help=True)
+    p = ArgumentParser(prog="bimetal titan", description=__doc__.splitlines()[0], add_help=True)
     p.add_argument("--simulate", help="simulated vendors by global rank, e.g. nvidia:2,amd:2 (CPU, this machine)")
     p.add_argument("--cpu", action="store_true", help="install the CPU stand-ins without simulating (one rank)")
     p.add_argument("--pp-transport", choices=transports.BIMETAL,

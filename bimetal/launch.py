@@ -18,7 +18,7 @@ import subprocess
 import sys
 
 from bimetal.args import ArgumentParser
-from bimetal.env import check_environment
+from bimetal.env import check_environment, check_needs
 from bimetal.errors import UserError
 from bimetal.topology.vendor import SIMULATE_ENV, SimulationSpecError, parse_simulate
 
@@ -43,6 +43,7 @@ def launch(
     if not rank_argv:
         raise UserError("nothing to launch: give a script or '-m module' after '--'")
     check_environment()  # a bad BIMETAL_* value: one sentence here, not one per rank
+    check_needs(simulated=bool(simulate) or bool(os.environ.get(SIMULATE_ENV)))  # a GPU asked for and absent
     if nnodes < 1 or max_restarts < 0 or (nproc_per_node is not None and nproc_per_node < 1):
         raise UserError(f"--nnodes={nnodes}, --nproc-per-node={nproc_per_node} and --max-restarts={max_restarts} "
                         "must be positive (restarts: zero or more)")

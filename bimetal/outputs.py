@@ -49,7 +49,10 @@ def _nearest(path: Path) -> tuple[Path, Path | None]:
 def folder_problem(path: str | Path) -> str | None:
     """Why ``path`` cannot be used as an output folder (created if missing, files written in it), or None."""
     p = Path(os.path.abspath(os.path.expanduser(str(path))))
-    existing, missing = _nearest(p)
+    try:
+        existing, missing = _nearest(p)
+    except OSError as exc:  # a folder on the way that cannot be searched
+        return f"{p} cannot be reached ({exc.strerror or type(exc).__name__})"
     if existing.is_symlink() and not existing.exists():
         return f"{existing} is a link to nothing"
     if not existing.is_dir():
@@ -74,10 +77,14 @@ def check_folder(key: str, path: str | Path) -> None:
 def check_file(key: str, path: str | Path) -> None:
     """Refuse, naming ``key``, an output file that cannot be written (its folder is created if missing)."""
     p = Path(os.path.abspath(os.path.expanduser(str(path))))
-    if str(path).endswith(os.sep) or p.is_dir():
+    try:
+        is_dir, exists = p.is_dir(), p.exists()
+    except OSError:
+        is_dir = exists = False  # the folder check below says why it cannot be reached
+    if str(path).endswith(os.sep) or is_dir:
         raise UserError(f"{key}={str(path)!r} is a folder; give the path of a file to write.")
     why = folder_problem(p.parent)
-    if why is None and p.exists():
+    if why is None and exists:
         try:  # an existing file is replaced by a rename, so only its folder must be writable; read-only is kept
             writable = os.access(p, os.W_OK)
         except OSError:

@@ -54,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     if command not in COMMANDS:
-        print(f"bimetal: unknown command {command!r}\n{_usage()}", file=sys.stderr)
+        print(f"bimetal: unknown command {command!r}; the commands are {', '.join(COMMANDS)} (bimetal --help).",
+              file=sys.stderr)
         return 2
     module, func, _ = COMMANDS[command]
     if (command, rest[0] if rest else "") in SUBCOMMANDS:

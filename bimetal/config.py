@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
+import tomllib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -153,11 +155,20 @@ class CheckpointConfig:
     """Save every N steps; 0 saves only at the end."""
     resume: bool = False
     """Continue from the newest complete checkpoint (a damaged one is reported and the one before it used)."""
+    resume_changed: bool = False
+    """With ``resume``: accept a config that changes what the checkpoint's loss trajectory depends on (model,
+    data, batch, sequence length, seeds, optimizer, steps, precision; ``docs/training-safety.md`` lists them);
+    each change is logged. Without it such a resume is refused naming the key. ``--resume-changed`` sets it."""
     keep_last: int = 3
     """Keep the newest N complete checkpoints and delete older ones after each save; 0 keeps all. Three leave
     a fallback when the newest is damaged and one more, at three times one checkpoint's disk space."""
     export_hf: str = ""
-    """If set, export the trained model as an HF safetensors folder here."""
+    """If set, export the trained model as an HF safetensors folder here. The folder then holds this model
+    alone: an older export in it is replaced whole (written beside it, then moved into place)."""
+    export_shard_bytes: int = 0
+    """Largest safetensors file of the export, in bytes: 0 writes one ``model.safetensors``; more shards the
+    weights as transformers does (``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json``;
+    its ``save_pretrained`` uses 5000000000)."""
 
 
 @dataclass
@@ -225,6 +236,10 @@ class TrainConfig:
         if p.homogeneous_backend not in ("native", "gloo"):
             raise UserError(f"parallel.homogeneous_backend={p.homogeneous_backend!r} is unknown; "
                             "use 'native' or 'gloo'.")
+        for key in ("pp_transport", "dp_transport"):
+            if getattr(p, key) not in transports.NAMES:
+                raise UserError(f"parallel.{key}={getattr(p, key)!r} is unknown; use one of "
+                                f"{', '.join(transports.NAMES)}.")
         if p.schedule not in ("1f1b", "gpipe"):
             raise UserError(f"parallel.schedule={p.schedule!r} is unknown; use '1f1b' or 'gpipe'.")
         if p.microbatches < 1 or self.data.batch_size % p.microbatches:
@@ -239,6 +254,9 @@ class TrainConfig:
             raise UserError(f"data.bin_dtype={self.data.bin_dtype!r} is unknown; use uint16 or uint32.")
         if self.checkpoint.keep_last < 0:
             raise UserError(f"checkpoint.keep_last={self.checkpoint.keep_last} must be 0 (keep all) or more.")
+        if self.checkpoint.resume_changed and not self.checkpoint.resume:
+            raise UserError("checkpoint.resume_changed=true (--resume-changed) accepts changes on a resume, but "
+                            "checkpoint.resume is off; add --resume or drop it.")
         self._check_ranges()
 
     def _check_ranges(self) -> None:
@@ -249,6 +267,7 @@ class TrainConfig:
                     ("parallel.microbatches", self.parallel.microbatches, 1),
                     ("optim.grad_accum", o.grad_accum, 1), ("optim.warmup_steps", o.warmup_steps, 0),
                     ("checkpoint.every", self.checkpoint.every, 0), ("metrics.log_every", self.metrics.log_every, 1),
+                    ("checkpoint.export_shard_bytes", self.checkpoint.export_shard_bytes, 0),
                     ("model.seed", self.model.seed, 0), ("training.seed", self.training.seed, 0)]
         for key, count, least in at_least:
             if count < least:
@@ -305,6 +324,13 @@ def _from_text(text: str, want: Any, where: str) -> Any:
     except (ValueError, pydantic.ValidationError):
         name = getattr(typing.get_origin(want) or want, "__name__", str(want))
         raise UserError(f"{where}={text!r} is not a valid {name}; fix the value.") from None
+
+
+def parse_value(key: str, text: str) -> Any:
+    """The value of config key ``section.key`` written as ``text`` (as on the command line); ``UserError`` if bad."""
+    section, _, name = key.partition(".")
+    want = typing.get_type_hints(typing.get_type_hints(TrainConfig)[section])[name]
+    return text if want is str else _from_text(text, want, key)
 
 
 def _read_strings(data: dict[str, Any]) -> None:
@@ -370,6 +396,8 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | list[str] |
     if path is not None:
         p = Path(path)
         file = str(p)
+        if p.is_dir():
+            raise UserError(f"config file {p} is a folder; give the path of a TOML file to --config.")
         data = read_toml(p, f"config file {p} does not exist; check the --config path.",
                          f"config file {p} is not valid TOML ({{error}}); fix the syntax.")
     if isinstance(overrides, list):
@@ -379,5 +407,33 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | list[str] |
         body = data.setdefault(section, {})
         if isinstance(body, dict):
             body[key] = value
-    _read_strings(data)
-    return check(TrainConfig, data, file, _explain(file, set(overrides or {})))  # __post_init__ validates
+    try:
+        _read_strings(data)
+        return check(TrainConfig, data, file, _explain(file, set(overrides or {})))  # __post_init__ validates
+    except UserError as exc:
+        raise blame_file(exc, path, overrides) from None
+
+
+
+
+def blame_file(exc: UserError, path: str | Path | None, overrides: dict[str, Any] | list[str] | None) -> UserError:
+    """``exc`` naming the config file when a key its sentence names (``section.key``) was set there.
+
+    A value refused for what it is, or for how it fits with others, is then found in the file that holds it;
+    a sentence about keys set only on the command line (or left at their defaults) is kept as it is.
+    """
+    message = str(exc)
+    if path is None or str(path) in message:
+        return exc
+    if isinstance(overrides, list):
+        overrides = parse_overrides(overrides)
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        return exc
+    in_file = {f"{section}.{key}" for section, body in data.items() if isinstance(body, dict) for key in body}
+    sections = "|".join(f.name for f in dataclasses.fields(TrainConfig))
+    named = {f"{a}.{b}" for a, b in re.findall(rf"\b({sections})\.([a-z_][a-z0-9_]*)\b", message)}
+    if named & (in_file - set(overrides or {})):
+        return UserError(f"{path}: {message}")
+    return exc

@@ -8,6 +8,7 @@ Lives low in the layers so that no module needs to import ``bimetal.cli`` for th
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import sys
@@ -42,5 +43,9 @@ def run_command(label: str, func: Callable[[list[str]], int | None], argv: list[
     except KeyboardInterrupt:
         print(f"bimetal {label}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader of stdout went away (`| head`): nothing left to say to it
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     finally:
         gc.collect()

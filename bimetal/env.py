@@ -248,3 +248,30 @@ def read_float(name: str, default: float) -> float:
 def read_flag(name: str) -> bool:
     """True when the 0/1 variable ``name`` is set to 1."""
     return (read(name) or "0").strip() == "1"
+
+
+def check_needs(simulated: bool, env: Mapping[str, str] | None = None) -> None:
+    """Refuse a variable that asks for something this run will not have: a GPU torch cannot see, or a setting
+    of simulated ranks in a run that simulates none (it would be ignored without a word)."""
+    env = os.environ if env is None else env
+    sim_device = (env.get("BIMETAL_SIMULATE_DEVICE") or "").strip().lower()
+    if sim_device and not simulated:
+        raise UserError(f"BIMETAL_SIMULATE_DEVICE={sim_device} only applies to simulated ranks; add --simulate "
+                        "(or BIMETAL_SIMULATE) or unset it.")
+    wanted: list[tuple[str, str, int]] = []
+    if sim_device == "cuda":
+        wanted.append(("BIMETAL_SIMULATE_DEVICE", "cuda", 0))
+    dd_device = (env.get("BIMETAL_DD_DEVICE") or "").strip()
+    if dd_device.startswith("cuda"):
+        number = dd_device.partition(":")[2]
+        wanted.append(("BIMETAL_DD_DEVICE", dd_device, int(number) if number.isdigit() else 0))
+    if not wanted:
+        return
+    import torch
+
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for name, value, index in wanted:
+        if index >= have:
+            sees = f"only {have} GPU(s)" if have else "no GPU"
+            raise UserError(f"{name}={value} asks for GPU {index} but this torch ({torch.__version__}) sees {sees}; "
+                            "unset it to run on the CPU, or run where that GPU is.")

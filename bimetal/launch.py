@@ -11,11 +11,14 @@ environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
+import socket
 import subprocess
 import sys
 
-from bimetal.env import check_environment
+from bimetal.args import ArgumentParser
+from bimetal.env import check_environment, check_needs
 from bimetal.errors import UserError
 from bimetal.topology.vendor import SIMULATE_ENV, SimulationSpecError, parse_simulate
 
@@ -40,9 +43,11 @@ def launch(
     if not rank_argv:
         raise UserError("nothing to launch: give a script or '-m module' after '--'")
     check_environment()  # a bad BIMETAL_* value: one sentence here, not one per rank
+    check_needs(simulated=bool(simulate) or bool(os.environ.get(SIMULATE_ENV)))  # a GPU asked for and absent
     if nnodes < 1 or max_restarts < 0 or (nproc_per_node is not None and nproc_per_node < 1):
         raise UserError(f"--nnodes={nnodes}, --nproc-per-node={nproc_per_node} and --max-restarts={max_restarts} "
                         "must be positive (restarts: zero or more)")
+    _check_nodes(nnodes, node_rank, master_addr, master_port)
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     vendors: list[str] = []
@@ -63,12 +68,12 @@ def launch(
             )
     nproc_per_node = nproc_per_node or 1
     env.update(extra_env or {})
-    if rank_argv[0] == "-m" and len(rank_argv) < 2:
-        raise UserError("'-m' needs a module name")
+    _check_program(rank_argv)
     if nnodes == 1 and master_addr is None and not torchrun_args:
         from bimetal.supervisor import RankSupervisor
 
-        return RankSupervisor([sys.executable, *rank_argv], nproc_per_node, env, max_restarts, name, vendors).run()
+        return RankSupervisor([sys.executable, *rank_argv], nproc_per_node, env, max_restarts, name, vendors,
+                              port=master_port or 0).run()
 
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc_per_node}"]
     if nnodes == 1 and master_addr is None:
@@ -90,8 +95,67 @@ def launch(
         return 130
 
 
+def _check_program(rank_argv: list[str]) -> None:
+    """The script or module the ranks run exists (else every rank fails alike, after they all started)."""
+    if rank_argv[0] == "-m":
+        if len(rank_argv) < 2:
+            raise UserError("'-m' needs a module name")
+        try:
+            found = importlib.util.find_spec(rank_argv[1]) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            raise UserError(f"module {rank_argv[1]!r} cannot be found by this Python ({sys.executable}); check "
+                            "the name after -m.")
+    elif rank_argv[0] == "-c":
+        return
+    elif rank_argv[0].startswith("-"):
+        raise UserError(f"{rank_argv[0]!r} is not a script; give a script path or '-m module' after '--'.")
+    elif not os.path.isfile(rank_argv[0]):
+        raise UserError(f"script {rank_argv[0]!r} does not exist; give a script path or '-m module' after '--'.")
+
+
+def _check_nodes(nnodes: int, node_rank: int, master_addr: str | None, master_port: int | None) -> None:
+    """The node options, and the master port free where this node hosts the rendezvous (node 0): a busy one is
+    one sentence here, not torchrun's traceback after the ranks of the other nodes started."""
+    if not 0 <= node_rank < nnodes:
+        raise UserError(f"--node-rank {node_rank} must be from 0 to {nnodes - 1} (--nnodes {nnodes}).")
+    if nnodes > 1 and not master_addr:
+        raise UserError(f"--nnodes {nnodes} needs --master-addr: the address of node 0, which every node connects "
+                        "to.")
+    if master_port is not None and not 0 < master_port < 65536:
+        raise UserError(f"--master-port {master_port} is not a TCP port; give one from 1 to 65535.")
+    if node_rank == 0:
+        why = port_in_use(master_port or (29500 if master_addr else 0))
+        if why:
+            raise UserError(f"--master-port {master_port or 29500} cannot be used on this machine ({why}); "
+                            "choose a free port, or leave --master-port out.")
+
+
+def port_in_use(port: int) -> str | None:
+    """Why a TCP listener cannot be opened on ``port`` of every interface here (as torch's TCPStore opens one),
+    or None; port 0 (any free port) is always fine."""
+    if not port:
+        return None
+    for family, host in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
+        try:
+            sock = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:
+            continue  # no IPv6 here: the IPv4 try decides
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+            sock.listen(1)
+            return None
+        except OSError as exc:
+            return str(exc.strerror or exc)
+        finally:
+            sock.close()
+    return None
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="bimetal launch", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="bimetal launch", description=__doc__.splitlines()[0])
     p.add_argument("--simulate", help="simulated vendors by global rank, e.g. nvidia:2,amd:2")
     p.add_argument("--nproc-per-node", type=int, help="ranks on this node (default: from --simulate)")
     p.add_argument("--nnodes", type=int, default=1)

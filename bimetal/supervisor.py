@@ -35,6 +35,7 @@ from types import FrameType
 from typing import Any
 
 from bimetal.env import read as read_env
+from bimetal.errors import UserError
 
 _log = logging.getLogger(__name__)
 
@@ -111,8 +112,10 @@ class RankSupervisor:
     """Start ``nproc`` copies of ``cmd`` as the ranks of a single-node job and watch them to the end."""
 
     def __init__(self, cmd: list[str], nproc: int, env: dict[str, str], max_restarts: int = 0,
-                 name: str = "bimetal launch", vendors: list[str] | None = None, grace_s: float = 10.0) -> None:
+                 name: str = "bimetal launch", vendors: list[str] | None = None, grace_s: float = 10.0,
+                 port: int = 0) -> None:
         self.cmd, self.nproc, self.env, self.max_restarts = cmd, nproc, env, max_restarts
+        self.port = port  # of the store the launcher hosts (--master-port); 0: any free one
         self.name, self.vendors, self.grace_s = name, vendors or [], grace_s
         self._signal: int | None = None
         self._ranks: list[_Rank] = []
@@ -125,7 +128,12 @@ class RankSupervisor:
         from torch.distributed import TCPStore
 
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-        store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        try:
+            store = TCPStore("127.0.0.1", self.port, is_master=True, wait_for_workers=False)
+        except RuntimeError as exc:  # the port was taken after the launcher's check
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise UserError(f"the launcher cannot listen on port {self.port} ({first}); choose a free --master-port "
+                            "or leave it out.") from None
         root = Path(tempfile.mkdtemp(prefix="bimetal-launch-"))
         try:
             for attempt in range(self.max_restarts + 1):

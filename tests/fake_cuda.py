@@ -3,11 +3,11 @@
 It stands in for the runtime of a node with ``count`` GPUs (CUDA or ROCm torch: both say ``cuda``) in the calls
 bimetal makes to place a rank and its transports: ``is_available``, ``device_count``, ``current_device``,
 ``set_device``, ``get_device_properties``, the ``torch.cuda.device`` guard, ``torch.cuda.Stream`` and
-``torch.empty``/``torch.zeros`` with a CUDA device or pinned memory. There is no GPU memory: an allocation on ``cuda:N`` returns a
-CPU tensor of the size asked, and the double records the device it was asked on (``allocated_on``); a pinned
-allocation records the device current at the time (``pinned_on``: where the runtime would make its context);
-a stream records its device (``FakeStream``). Installed through pytest's ``monkeypatch``, so it is gone after
-the test.
+``torch.empty``/``torch.zeros`` with a CUDA device or pinned memory. There is no GPU memory: an allocation on
+``cuda:N`` returns a CPU tensor of the size asked, and the double records the device it was asked on
+(``allocated_on``); a pinned allocation records the device current at the time (``pinned_on``: where the runtime would
+make its context); a stream records its device (``FakeStream``). Installed through pytest's ``monkeypatch``, so it is
+gone after the test.
 """
 
 from __future__ import annotations

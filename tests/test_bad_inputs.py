@@ -135,3 +135,157 @@ def test_bad_topology_record(text, fragment: str) -> None:
 
 def test_catalogue_has_at_least_thirty_cases() -> None:
     assert len(CLI_CASES) + len(RECORD_CASES) >= 30
+
+
+# ---- nothing lost, nothing silent (issue 30): outputs, exports, the dry-run, resumes, options, the launcher ----
+# The same classes run through the executable, one row each, in test_nothing_lost.py.
+
+def _gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _file(t: Path) -> Path:
+    (t / "a-file").write_text("x")
+    return t / "a-file"
+
+
+def _checkpoint(t: Path, **changes: object) -> str:
+    """A run folder holding one complete checkpoint's marker and meta.json for the defaults (with ``changes``)."""
+    from bimetal.config import load_config
+    from bimetal.train.ckpt_files import MARKER, run_meta
+
+    cfg = load_config(None, {k: str(v) for k, v in changes.items()})
+    step = t / "run" / "checkpoints" / "step-000002"
+    step.mkdir(parents=True)
+    (step / "meta.json").write_text(json.dumps(run_meta(cfg, [4])))
+    (step / MARKER).write_text(json.dumps({"step": 2, "files": {"meta.json": (step / "meta.json").stat().st_size}}))
+    return str(t / "run")
+
+
+def _foreign_weights(t: Path) -> str:
+    (t / "hf").mkdir()
+    (t / "hf" / "model.gguf").write_bytes(b"x")
+    return str(t / "hf")
+
+
+# (case id, environment, argv builder taking tmp_path, fragment of the one sentence)
+NOTHING_LOST: list[tuple[str, dict[str, str], object, str]] = [
+    ("run-dir-under-a-file", {}, lambda t: ["train", f"--metrics.run_dir={_file(t)}/run"], "metrics.run_dir="),
+    ("run-dir-empty", {}, lambda t: ["train", "--metrics.run_dir="], "metrics.run_dir is empty"),
+    ("checkpoint-folder-is-a-file", {}, lambda t: ["train", f"--checkpoint.folder={_file(t)}"], "is a file"),
+    ("checkpoint-folder-under-a-file-simulated", {}, lambda t: ["train", "--simulate", "nvidia:1,amd:1",
+                                                                f"--checkpoint.folder={_file(t)}/ck"],
+     "checkpoint.folder="),
+    ("export-folder-is-a-file", {}, lambda t: ["train", f"--checkpoint.export_hf={_file(t)}"], "checkpoint.export_hf="),
+    ("export-beside-gguf", {}, lambda t: ["train", f"--checkpoint.export_hf={_foreign_weights(t)}"], "model.gguf"),
+    ("export-shard-negative", {}, lambda t: ["train", "--checkpoint.export_shard_bytes=-1"],
+     "checkpoint.export_shard_bytes=-1"),
+    ("config-file-names-checkpoint-folder", {}, lambda t: ["train", "--config", _write(
+        t, "c.toml", f'[checkpoint]\nfolder = "{_file(t)}/ck"\n')], "c.toml: checkpoint.folder="),
+    ("config-file-names-split", {}, lambda t: ["train", "--config", _demo_with(t, "[3, 1]", "[3, 3]"), "--simulate",
+                                               "nvidia:2,amd:2"], "cfg.toml: parallel.layers_per_stage=[3, 3]"),
+    ("config-file-names-layout", {}, lambda t: ["train", "--config", str(DEMO), "--simulate", "nvidia:1,amd:1"],
+     "demo.toml: the layout parallel.pp=2"),
+    ("config-is-a-folder", {}, lambda t: ["train", "--config", str(t)], "is a folder"),
+    ("split-vs-chosen-layout", {}, lambda t: ["train", "--simulate", "nvidia:1,amd:1",
+                                              "--parallel.layers_per_stage=[2,1,1]"], "layout chosen from the 2"),
+    ("split-vs-chosen-layout-dry-run", {}, lambda t: ["train", "--simulate", "nvidia:1,amd:1", "--dry-run",
+                                                      "--parallel.layers_per_stage=[2,1,1]"],
+     "layout chosen from the 2"),
+    ("cluster-spec-missing-run", {}, lambda t: ["train", "--parallel.cluster=none.toml"], "cluster spec none.toml"),
+    ("resume-changed-seq-len", {}, lambda t: ["train", "--resume", f"--metrics.run_dir={_checkpoint(t)}",
+                                              "--data.seq_len=64"],
+     "data.seq_len=128 but this run has data.seq_len=64"),
+    ("resume-changed-data-seed-dry-run", {}, lambda t: ["train", "--resume", "--dry-run", "--training.seed=7",
+                                                        f"--metrics.run_dir={_checkpoint(t)}"], "training.seed=1234"),
+    ("resume-another-model", {}, lambda t: ["train", "--resume", "--resume-changed", "--model.family=qwen2",
+                                            f"--metrics.run_dir={_checkpoint(t)}"], "family='llama3'"),
+    ("resume-changed-without-resume", {}, lambda t: ["train", "--resume-changed"], "checkpoint.resume is off"),
+    ("json-without-dry-run", {}, lambda t: ["train", "--json"], "--json formats the --dry-run report"),
+    ("max-restarts-without-simulate", {}, lambda t: ["train", "--max-restarts=1"], "--max-restarts needs --simulate"),
+    ("simulate-device-without-simulate", {"BIMETAL_SIMULATE_DEVICE": "cuda"}, lambda t: ["train"],
+     "only applies to simulated ranks"),
+    ("dd-device-gpu-absent", {"BIMETAL_DD_DEVICE": "cuda:0"}, lambda t: ["train", "--simulate", "nvidia:1,amd:1"],
+     "BIMETAL_DD_DEVICE=cuda:0 asks for GPU 0"),
+    ("plan-write-is-a-folder", {}, lambda t: ["plan", str(SPEC), "--write", str(t)], "is a folder"),
+    ("plan-write-titan-under-a-file", {}, lambda t: ["plan", str(SPEC), "--write-titan", f"{_file(t)}/t.toml"],
+     "--write-titan="),
+    ("plan-same-file-twice", {}, lambda t: ["plan", str(SPEC), "--write", f"{t}/p", "--write-titan", f"{t}/p"],
+     "name the same file"),
+    ("plan-cross-vendor-needs-write", {}, lambda t: ["plan", str(SPEC), "--allow-cross-vendor-dp"], "add --write"),
+    ("plan-explain-with-json", {}, lambda t: ["plan", str(SPEC), "--explain", "--json"], "--explain"),
+    ("plan-write-with-one-layout", {}, lambda t: ["plan", str(SPEC), "--pp", "2", "--write", f"{t}/p.toml"],
+     "--write writes the best plan of a search"),
+    ("plan-json-with-one-layout", {}, lambda t: ["plan", str(SPEC), "--pp", "2", "--json"], "--json shapes"),
+    ("plan-fit-out-under-a-file", {}, lambda t: ["plan", "fit", str(SPEC), "--bench-comm", "x.json", "--out",
+                                                 f"{_file(t)}/s.toml"], "--out="),
+    ("profile-out-under-a-file", {}, lambda t: ["profile", "--out", f"{_file(t)}/p.json"], "--out="),
+    ("bench-comm-out-under-a-file", {}, lambda t: ["bench", "comm", "--simulate", "nvidia:1,amd:1", "--out",
+                                                   f"{_file(t)}/b"], "--out="),
+    ("launch-script-missing", {}, lambda t: ["launch", "--simulate", "nvidia:1,amd:1", "--", f"{t}/none.py"],
+     "does not exist"),
+    ("launch-module-missing", {}, lambda t: ["launch", "--simulate", "nvidia:1,amd:1", "--", "-m", "bimetal.nothing"],
+     "module 'bimetal.nothing' cannot be found"),
+    ("launch-node-rank-outside", {}, lambda t: ["launch", "--nnodes", "2", "--node-rank", "2", "--master-addr",
+                                                "127.0.0.1", "--", "-c", "pass"], "--node-rank 2"),
+    ("launch-nodes-without-master", {}, lambda t: ["launch", "--nnodes", "2", "--", "-c", "pass"],
+     "needs --master-addr"),
+    ("launch-port-not-a-port", {}, lambda t: ["launch", "--master-port", "70000", "--", "-c", "pass"],
+     "is not a TCP port"),
+    ("topo-timeout-zero", {}, lambda t: ["topo", "--simulate", "nvidia:1,amd:1", "--timeout", "0"], "--timeout 0.0"),
+    ("topo-layout-vs-world", {}, lambda t: ["topo", "--simulate", "nvidia:1,amd:1", "--pp", "3"],
+     "does not match the world size 2"),
+    ("titan-dump-under-a-file", {}, lambda t: ["titan", "--module", "llama3", "--simulate", "nvidia:1,amd:1",
+                                               f"--dump_folder={_file(t)}/out"], "--dump_folder="),
+    ("titan-assets-without-simulate", {}, lambda t: ["titan", "--module", "llama3", "--assets", str(t)],
+     "--assets is where --simulate writes"),
+    ("titan-cpu-with-simulate", {}, lambda t: ["titan", "--module", "llama3", "--cpu", "--simulate", "nvidia:1"],
+     "drop --cpu"),
+    ("titan-gpu-rank-without-gpu", {}, lambda t: ["titan", "--module", "llama3", f"--dump_folder={t}/out"],
+     "sees no GPU"),
+    ("transport-unknown-unused", {}, lambda t: ["train", "--parallel.dp_transport=rdma"],
+     "parallel.dp_transport='rdma' is unknown"),
+    ("option-without-value", {}, lambda t: ["train", "--simulate"], "--simulate: expected one argument"),
+    ("option-not-a-number", {}, lambda t: ["launch", "--nnodes", "two", "--", "-c", "pass"], "invalid int value"),
+    ("argument-missing", {}, lambda t: ["plan"], "the following arguments are required: spec"),
+]
+
+
+@pytest.mark.parametrize(("env", "build", "fragment"), [c[1:] for c in NOTHING_LOST], ids=[c[0] for c in NOTHING_LOST])
+def test_nothing_lost_bad_input(env: dict[str, str], build, fragment: str, tmp_path: Path, capsys,
+                                monkeypatch) -> None:
+    if ("no GPU" in fragment or "asks for GPU" in fragment) and _gpu():
+        pytest.skip("the case is a GPU asked for and absent; this machine has one")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "BIMETAL_SIMULATE", "BIMETAL_VENDOR"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.chdir(tmp_path)
+    argv = build(tmp_path)
+    if argv[0] == "train" and not any(a.startswith("--metrics.run_dir") for a in argv):
+        argv.append(f"--metrics.run_dir={tmp_path / 'run'}")
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    code = main(argv)
+    captured = capsys.readouterr()
+    lines = [line for line in captured.err.splitlines() if line.strip()]
+    assert code == 2, (code, captured.out[-2000:], captured.err[-2000:])
+    assert len(lines) == 1 and lines[0].startswith("bimetal") and fragment in lines[0], captured.err
+    assert "Traceback" not in captured.err
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before  # nothing written
+
+
+def test_tensorboard_asked_for_and_absent(tmp_path: Path, capsys, monkeypatch) -> None:
+    """A machine without the tensorboard package (hidden from ``importlib.util.find_spec`` here): the setting is
+    refused in one sentence instead of being ignored."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a, **k: None if name == "tensorboard" else real(name, *a, **k))
+    monkeypatch.delenv("RANK", raising=False)
+    assert main(["train", "--metrics.tensorboard=true", f"--metrics.run_dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "metrics.tensorboard=true needs the tensorboard package" in err, err
+    assert not (tmp_path / "run").exists()

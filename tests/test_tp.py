@@ -70,7 +70,7 @@ def test_planner_writes_tp_plans_the_trainer_accepts(tmp_path: Path) -> None:
     from bimetal.plan.cli import plan_to_train_config
     from bimetal.plan.search import search
     from bimetal.plan.spec import load_spec
-    from bimetal.train.cli import _check_tp_divides_model
+    from bimetal.train.prepare import _check_tp_divides_model
 
     ok, _ = search(load_spec(str(HERE.parent / "configs" / "clusters" / "h100_mi300x.toml")), "llama3-8b", 8192, 256)
     plan = next(p for p in ok if p.tp > 1)

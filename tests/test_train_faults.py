@@ -58,10 +58,13 @@ def test_killed_rank_restarts_and_reaches_the_same_final_loss(tmp_path: Path) ->
     ckpts = tmp_path / "hurt" / "checkpoints"
     assert sorted(p.name for p in ckpts.iterdir()) == ["step-000008", "step-000010"]
 
-    # The newest checkpoint is damaged (a file cut short): --resume says so in one sentence and goes on from
-    # the one before it, to the same final loss, logging steps 9-10 once.
+    # The newest checkpoint is damaged in place (bytes changed, size kept: only the ranks of stage 1, which read
+    # that file, find it, by its checksum): --resume says so in one sentence, and every rank goes on from the one
+    # before it, to the same final loss, logging steps 9-10 once. (Files cut short: test_nothing_lost.py.)
     data = max((ckpts / "step-000010" / "stage1").glob("*.distcp"), key=lambda f: f.stat().st_size)
-    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
     again = _train(tmp_path / "hurt", {}, "--resume", "--checkpoint.keep_last=2")
     out = again.stdout + again.stderr
     assert again.returncode == 0 and "Traceback" not in out, out[-3000:]

@@ -10,7 +10,6 @@ split are then trained on the lab, interleaved and repeated; the table compares 
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import tempfile
@@ -19,8 +18,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from bimetal.args import ArgumentParser
 from bimetal.errors import UserError
 from bimetal.lab.spec import LabSpec, load_spec
+from bimetal.outputs import check_folder
 from bimetal.plan import cost
 from bimetal.plan.stagesplit import Rank, best_split, even_split, predict
 
@@ -108,7 +109,7 @@ def format_report(rep: dict[str, Any]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="bimetal plan calibrate", description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="bimetal plan calibrate", description=__doc__.splitlines()[0])
     ap.add_argument("--lab", required=True, help="lab spec TOML (see configs/lab/calib.toml)")
     ap.add_argument("--profile", help="profile JSON from `bimetal profile` (default: profile the local CPU now)")
     ap.add_argument("--model", default="debug", help="model flavour when profiling now")
@@ -126,6 +127,8 @@ def main(argv: list[str]) -> int:
     if a.steps <= a.warmup or a.repeats < 1 or a.microbatches < 1:
         raise UserError(f"need --steps > --warmup, --repeats >= 1 and --microbatches >= 1 "
                         f"(got {a.steps}, {a.warmup}, {a.repeats}, {a.microbatches}).")
+    if a.out:
+        check_folder("--out", a.out)
     if not Path(a.config).is_file():
         raise UserError(f"trainer config {a.config} not found; pass --config configs/demo.toml.")
     load_spec(a.lab, a.id)  # a bad spec fails before the profile runs

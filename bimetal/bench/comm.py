@@ -29,14 +29,16 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from bimetal.args import ArgumentParser
 from bimetal.errors import UserError
+from bimetal.outputs import check_folder
 from bimetal.sizes import parse_size
 
 DEFAULT_SIZES = "4K,64K,1M,4M,16M,64M,256M"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="bimetal bench comm", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="bimetal bench comm", description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default=DEFAULT_SIZES, help=f"message sizes (default {DEFAULT_SIZES})")
     p.add_argument("--iters", type=int, default=5,
                    help="samples per size and variant (at least 200 up to 64 KiB); a sample times 1-32 deliveries")
@@ -68,6 +70,7 @@ def main(argv: list[str]) -> int:
     if "cpp-ceiling" in transports:
         _cpp_tools()
     if "RANK" not in os.environ:
+        check_folder("--out", args.out)  # rank 0 writes it after every measurement
         from bimetal.launch import launch
 
         return launch(["-m", "bimetal.bench.comm", *argv], simulate=args.simulate)

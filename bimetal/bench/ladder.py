@@ -26,10 +26,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bimetal.args import ArgumentParser
 from bimetal.errors import UserError
 from bimetal.lab.cgroup import RANK_ENV
 from bimetal.lab.cluster import LabCluster
 from bimetal.lab.spec import parse_spec
+from bimetal.outputs import check_folder
 
 _log = logging.getLogger(__name__)
 
@@ -121,7 +123,7 @@ def plot(table: dict[str, Any], path: Path, title: str) -> None:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="bimetal bench ladder", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="bimetal bench ladder", description=__doc__.splitlines()[0])
     p.add_argument("--config", default="configs/demo.toml", help="trainer config (pp/dp are forced to 2/2)")
     p.add_argument("--steps", type=int, default=10, help="training steps per run (default 10)")
     p.add_argument("--warmup", type=int, default=2, help="leading steps left out of tokens/s (default 2)")
@@ -138,6 +140,7 @@ def main(argv: list[str]) -> int:
         raise UserError(f"trainer config {args.config} does not exist; pass --config configs/demo.toml")
     if args.steps <= args.warmup:
         raise UserError(f"--steps {args.steps} must exceed --warmup {args.warmup}")
+    check_folder("--out", args.out)
     rungs = [r for r in RUNGS if r.key in args.rungs]
     if "a" not in args.rungs:
         raise UserError("the ladder needs rung 'a' (the baseline every ratio divides by); keep it in --rungs")

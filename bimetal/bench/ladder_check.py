@@ -18,11 +18,11 @@ the ladder's own measurements; the check compares each rung's tokens/s ratio to 
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 from typing import Any
 
+from bimetal.args import ArgumentParser
 from bimetal.errors import UserError
 from bimetal.plan import cost, hostpath
 from bimetal.plan.fit import fit_bench_comm
@@ -70,7 +70,7 @@ def predict_rungs(profile: dict[str, Any], host: dict[str, float], rate_mbit: fl
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="bimetal plan ladder-check", description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="bimetal plan ladder-check", description=__doc__.splitlines()[0])
     ap.add_argument("--ladder", required=True, help="ladder.json from `bimetal bench ladder`")
     ap.add_argument("--profile", required=True, help="`bimetal profile` JSON at the ladder's microbatch shape")
     ap.add_argument("--bench-comm", required=True, help="bench_comm.json (TCP ceilings, message latency)")

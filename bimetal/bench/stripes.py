@@ -22,12 +22,13 @@ import logging
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
+from bimetal.args import ArgumentParser
 from bimetal.errors import UserError
 from bimetal.lab.cluster import LabCluster
 from bimetal.lab.spec import load_spec
+from bimetal.outputs import check_file, write_text
 from bimetal.sizes import parse_size
 
 _log = logging.getLogger(__name__)
@@ -101,7 +102,7 @@ def _fmt_size(n: int) -> str:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m bimetal.bench.stripes", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="python -m bimetal.bench.stripes", description=__doc__.splitlines()[0])
     p.add_argument("--spec", default="configs/lab/rails4.toml")
     p.add_argument("--counts", default="1,2,3,4", help="stripe counts (default 1,2,3,4; 1 is the reference)")
     p.add_argument("--sizes", default="16M,64M", help="message sizes (default 16M,64M)")
@@ -110,6 +111,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--out", help="write the JSON report here")
     p.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.out:
+        check_file("--out", args.out)
     try:
         counts = [int(c) for c in args.counts.split(",") if c.strip()]
     except ValueError:
@@ -173,7 +176,7 @@ def main(argv: list[str]) -> int:
     if not all(r["ok"] for r in rows):
         raise UserError("received data did not match what was sent")
     if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=1))
+        write_text(args.out, json.dumps(report, indent=1))
     return 0
 
 

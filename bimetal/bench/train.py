@@ -19,7 +19,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from bimetal.args import ArgumentParser
 from bimetal.errors import UserError
+from bimetal.outputs import check_folder
 
 ROOT = Path(__file__).resolve().parents[2]
 WARMUP = 3
@@ -49,7 +51,7 @@ def _run(args: argparse.Namespace, extra: list[str], run_dir: Path) -> dict[str,
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="bimetal bench train", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="bimetal bench train", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default=str(ROOT / "configs" / "demo.toml"), help="training config (pp=2 x dp=2)")
     p.add_argument("--simulate", default="nvidia:2,amd:2", help="simulated vendors, as for bimetal train")
     p.add_argument("--steps", type=int, default=30, help=f"steps per run (the first {WARMUP} are not timed)")
@@ -62,6 +64,7 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     if args.steps <= WARMUP or args.rounds < 1:
         raise UserError(f"--steps must exceed {WARMUP} and --rounds be at least 1.")
+    check_folder("--out", args.out)
     variants = _variants(args.dp)
     results: dict[str, dict[str, Any]] = {name: {"tokens_per_s": []} for name in variants}
     with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from bimetal.args import ArgumentParser
 from bimetal.errors import UserError
 from bimetal.lab import cgroup, net
 from bimetal.lab.cluster import LabCluster, all_lab_ids, cleanup_stale, owner_alive, read_state, remove_lab
@@ -20,7 +21,7 @@ from bimetal.lab.spec import load_spec
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="bimetal lab", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="bimetal lab", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     up = sub.add_parser("up", help="bring a lab up and leave it standing")
     up.add_argument("--spec", required=True, help="lab spec TOML (see configs/lab/)")

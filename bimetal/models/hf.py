@@ -2,9 +2,10 @@
 
 ``from_hf(path)`` reads ``config.json`` (``model_type`` ``llama`` or ``qwen2``), builds the model on the meta
 device, and fills it from ``model.safetensors`` or the shards listed in ``model.safetensors.index.json``.
-``export_hf(model, args, path)`` writes the same layout back. ``config.json`` itself (both ``transformers``
-formats, the fields refused) is ``bimetal.models.hf_config``. Our RoPE uses HF's rotate-half convention,
-so q/k weights are copied as they are, with no permutation.
+``export_hf(model, args, path)`` writes the same layout back (``bimetal.models.hf_write``: one model per
+folder). ``config.json`` itself (both ``transformers`` formats, the fields refused) is
+``bimetal.models.hf_config``. Our RoPE uses HF's rotate-half convention, so q/k weights are copied as they
+are, with no permutation.
 """
 
 from __future__ import annotations
@@ -15,11 +16,11 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from bimetal.errors import UserError
 from bimetal.models.args import ModelArgs
 from bimetal.models.hf_config import args_from_hf_config, hf_config
+from bimetal.models.hf_write import write_model_folder
 from bimetal.models.transformer import Transformer, build_model, prune_to_stage
 
 # HF name pattern -> ours; layer names keep the global index.
@@ -131,21 +132,24 @@ def from_hf(path: str | Path, *, device: str | torch.device = "cpu", dtype: torc
     return model.to(dtype=dtype)
 
 
-def export_hf(model: Transformer, args: ModelArgs, path: str | Path) -> Path:
-    """Write ``config.json`` and ``model.safetensors`` (HF names) for the whole ``model``; returns the folder.
+def export_hf(model: Transformer, args: ModelArgs, path: str | Path, max_shard_bytes: int = 0) -> Path:
+    """Write ``config.json`` and the weights (HF names) of the whole ``model``; returns the folder.
 
-    A pruned pipeline stage cannot be exported on its own (gather the stages into one model first).
+    ``max_shard_bytes`` > 0 shards the weights as transformers does (``model-0000i-of-0000n.safetensors`` and
+    ``model.safetensors.index.json``); 0 writes one ``model.safetensors``. The folder then holds this model alone:
+    an older export there is replaced whole, other files are kept, and a folder holding weights bimetal did not
+    write is refused (``bimetal.models.hf_write``). A pruned pipeline stage cannot be exported on its own
+    (gather the stages into one model first).
     """
     if model.tok_embeddings is None or model.output is None or model.norm is None or \
             len(model.layers) != args.n_layers:
         raise UserError("export_hf needs the whole model, not one pipeline stage; load the stages' weights into "
                         "one model built with build_model first.")
-    folder = Path(path)
-    folder.mkdir(parents=True, exist_ok=True)
+    if max_shard_bytes < 0:
+        raise UserError(f"max_shard_bytes={max_shard_bytes} must be 0 (one file) or more.")
     tensors: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters():  # tied: only tok_embeddings.weight appears, as HF stores it
         tensors[ours_to_hf(name)] = p.detach().to("cpu").contiguous()
     dtype = next(iter(tensors.values())).dtype
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    (folder / "config.json").write_text(json.dumps(hf_config(model.family, args, dtype), indent=2) + "\n")
-    return folder
+    config_text = json.dumps(hf_config(model.family, args, dtype), indent=2) + "\n"
+    return write_model_folder(path, tensors, config_text, max_shard_bytes)

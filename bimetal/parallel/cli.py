@@ -8,14 +8,16 @@ shows what a training job would get.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 
 from bimetal import transports
+from bimetal.args import ArgumentParser
 from bimetal.errors import UserError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="bimetal topo", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="bimetal topo", description=__doc__.splitlines()[0])
     p.add_argument("--simulate", help="simulated vendors by global rank, e.g. nvidia:2,amd:2")
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--dp", type=int, default=1)
@@ -39,10 +41,26 @@ def main(argv: list[str]) -> int:
     if "RANK" not in os.environ:
         if not args.simulate:
             raise UserError("outside torchrun, give --simulate (e.g. --simulate nvidia:2,amd:2) or run under torchrun")
+        _check_before_launch(args)
         from bimetal.launch import launch
 
         return launch(["-m", "bimetal.parallel.cli", *argv], simulate=args.simulate, name="bimetal topo")
     return _run_rank(args)
+
+
+def _check_before_launch(args: argparse.Namespace) -> None:
+    """The timeout and the layout against the simulated world, as the ranks would refuse them (once, here)."""
+    from bimetal.parallel.groups import plan_groups
+    from bimetal.parallel.layout import ParallelDims, plan_layout
+    from bimetal.topology.records import ClusterView, RankRecord
+    from bimetal.topology.vendor import parse_simulate
+
+    if not math.isfinite(args.timeout) or args.timeout <= 0:
+        raise UserError(f"--timeout {args.timeout} must be a positive number of seconds.")
+    vendors = parse_simulate(args.simulate)
+    view = ClusterView([RankRecord(r, r, "localhost", v, "cpu", 0) for r, v in enumerate(vendors)])
+    layout = plan_layout(view, ParallelDims(args.pp, args.dp, args.tp, args.allow_cross_vendor_dp, args.strict))
+    plan_groups(view, layout, {"pp": args.pp_transport, "dp": args.dp_transport}, simulated=True)
 
 
 def _run_rank(args: argparse.Namespace) -> int:

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from dataclasses import asdict
-from pathlib import Path
 
 import tomli_w
 
 from bimetal import transports
+from bimetal.args import ArgumentParser
 from bimetal.errors import UserError
+from bimetal.outputs import check_file, write_text
 from bimetal.plan import cost
 from bimetal.plan.explain import breakdown, explain
 from bimetal.plan.profile import profile_main  # noqa: F401  (bimetal profile entry)
@@ -57,7 +59,7 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["fit"]:
         from bimetal.plan.fit import main as fit_main
         return fit_main(argv[1:])
-    ap = argparse.ArgumentParser(prog="bimetal plan", description=__doc__,
+    ap = ArgumentParser(prog="bimetal plan", description=__doc__,
                                  epilog="`bimetal plan calibrate --lab LAB` compares predictions with the lab; "
                                         "`bimetal plan fit SPEC --bench-comm JSON --out NEW` sets a spec's host-path "
                                         "constants from measurements.")
@@ -65,7 +67,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--model", default="llama3-8b", help=f"model flavour: {', '.join(cost.MODELS)}")
     ap.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 8192)")
     ap.add_argument("--global-batch", type=int, default=None, help="sequences per optimizer step (default 256)")
-    ap.add_argument("--top", type=int, default=10)
+    ap.add_argument("--top", type=int, default=None, help="plans listed (default 10)")
     ap.add_argument("--json", action="store_true", help="machine-readable output")
     ap.add_argument("--write", metavar="PATH", help="write the best plan as a `bimetal train` config TOML")
     ap.add_argument("--write-titan", metavar="PATH",
@@ -77,6 +79,7 @@ def main(argv: list[str]) -> int:
                          "sets parallel.allow_cross_vendor_dp")
     _layout_args(ap)
     a = ap.parse_args(argv)
+    _check_options(a)
     for flag, value in (("--seq", a.seq), ("--global-batch", a.global_batch), ("--top", a.top), ("--pp", a.pp),
                         ("--dp", a.dp), ("--tp", a.tp), ("--dp-shard", a.dp_shard), ("--micro-batch", a.micro_batch)):
         if value is not None and value < 1:
@@ -90,7 +93,7 @@ def main(argv: list[str]) -> int:
         return _views(a)
     if written:
         raise UserError(f"{written[0]} describes one layout; add --pp (and --dp/--tp) to evaluate it, or drop it.")
-    a.seq, a.global_batch = a.seq or 8192, a.global_batch or 256
+    a.seq, a.global_batch, a.top = a.seq or 8192, a.global_batch or 256, a.top or 10
     if a.model not in cost.MODELS:
         raise UserError(f"unknown model flavour {a.model!r}; pass --model one of {', '.join(cost.MODELS)}.")
     spec = load_spec(a.spec)
@@ -134,13 +137,36 @@ def main(argv: list[str]) -> int:
         if not runnable:
             raise UserError(f"every plan for {a.model} on {a.spec} has data-parallel groups across vendors; "
                             "pass --allow-cross-vendor-dp to write one.")
-        Path(a.write).write_text(tomli_w.dumps(plan_to_train_config(runnable[0], spec)))
+        write_text(a.write, tomli_w.dumps(plan_to_train_config(runnable[0], spec)))
         if not a.json:
             print(f"best plan the trainer runs (#{ok.index(runnable[0]) + 1}) written to {a.write}; "
                   f"`bimetal train --config {a.write} --dry-run` checks its memory")
     if a.write_titan:
         _write_titan(a.write_titan, ok, spec, a.spec, quiet=a.json)
     return 0
+
+
+def _check_options(a: argparse.Namespace) -> None:
+    """Options that need another, and the files it will write, before any work (nothing is written on a refusal)."""
+    if a.allow_cross_vendor_dp and not a.write:
+        raise UserError("--allow-cross-vendor-dp lets --write choose a plan whose data-parallel groups span vendors; "
+                        "add --write PATH or drop it.")
+    if a.explain and a.json:
+        raise UserError("--explain prints a table beside the text report; with --json the breakdown is its "
+                        "'best_breakdown' field: drop one of them.")
+    if (a.json or a.top is not None) and (a.config or a.pp or a.ladder):
+        which = "--json" if a.json else "--top"
+        raise UserError(f"{which} shapes the report of a search; --config/--pp/--ladder print one layout's table, "
+                        f"so drop {which} or them.")
+    if (a.write or a.write_titan) and (a.config or a.pp or a.ladder):
+        which = "--write" if a.write else "--write-titan"
+        raise UserError(f"{which} writes the best plan of a search; drop --config/--pp/--ladder, or {which}.")
+    if a.write and a.write_titan and os.path.abspath(a.write) == os.path.abspath(a.write_titan):
+        raise UserError(f"--write and --write-titan name the same file {a.write!r}; give two paths.")
+    if a.write:
+        check_file("--write", a.write)
+    if a.write_titan:
+        check_file("--write-titan", a.write_titan)
 
 
 def _write_titan(path: str, ok: list[Plan], spec: ClusterSpec, spec_path: str, quiet: bool) -> None:
@@ -219,17 +245,18 @@ def _views(a: argparse.Namespace) -> int:
                "dp_transport": a.dp_transport or a.transport, "homogeneous": a.homogeneous, "ac": a.ac}
     m = cost.model_dims(lay["model"])
     split = lay["split"]
+    where = f"{a.config}: " if a.config else ""  # a layout read from a file: the sentence names it
     if split and (len(split) != lay["pp"] or sum(split) != m.layers or min(split) < 1):
-        raise UserError(f"split {split} must give each of the {lay['pp']} stages at least one layer, "
+        raise UserError(f"{where}split {split} must give each of the {lay['pp']} stages at least one layer, "
                         f"{m.layers} in all for {lay['model']}.")
     if lay["global_batch"] % (lay["dp"] * lay["micro_batch"]):
-        raise UserError(f"global batch {lay['global_batch']} is not a multiple of dp x micro-batch "
+        raise UserError(f"{where}global batch {lay['global_batch']} is not a multiple of dp x micro-batch "
                         f"({lay['dp']} x {lay['micro_batch']}).")
     p = evaluate(spec, lay["model"], lay["seq"], lay["global_batch"], lay["pp"], lay["dp"], lay["tp"],
                  lay["micro_batch"], lay["transport"], split, lay["dp_shard"], lay["ac"],
                  dp_transport=lay["dp_transport"], homogeneous=lay["homogeneous"], nics=a.nics)
     if p is None:
-        raise UserError(f"pp={lay['pp']} x dp={lay['dp']} x tp={lay['tp']} does not tile {a.spec} "
+        raise UserError(f"{where}pp={lay['pp']} x dp={lay['dp']} x tp={lay['tp']} does not tile {a.spec} "
                         f"({spec.total_gpus} GPUs, stages one vendor each, tp inside a node, dp_shard dividing dp).")
     print(show_plan(spec, p, lay["global_batch"]))
     return 0

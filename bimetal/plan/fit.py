@@ -16,7 +16,6 @@ The spec is rewritten to ``--out`` with the fitted keys set on the chosen groups
 
 from __future__ import annotations
 
-import argparse
 import json
 import tomllib
 from dataclasses import dataclass
@@ -25,7 +24,9 @@ from typing import Any
 
 import tomli_w
 
+from bimetal.args import ArgumentParser
 from bimetal.errors import UserError
+from bimetal.outputs import check_file, write_text
 from bimetal.plan.profile import ProfileRecord
 from bimetal.plan.spec import load_spec, parse_spec
 from bimetal.schema import SHAPE, check
@@ -93,13 +94,14 @@ def fit_profile(path: str) -> dict[str, float]:
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="bimetal plan fit", description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="bimetal plan fit", description=__doc__.splitlines()[0])
     ap.add_argument("spec", help="cluster spec TOML to start from")
     ap.add_argument("--bench-comm", required=True, metavar="JSON", help="bench_comm.json from `bimetal bench comm`")
     ap.add_argument("--profile", metavar="JSON", help="`bimetal profile` JSON for host_copy_gbps")
     ap.add_argument("--group", action="append", default=[], help="group name to set (repeatable; default all)")
     ap.add_argument("--out", required=True, help="spec TOML to write")
     a = ap.parse_args(argv)
+    check_file("--out", a.out)
     names = [g.name for g in load_spec(a.spec).groups]  # refuses a bad spec with the key and file named
     data = tomllib.loads(Path(a.spec).read_text())
     unknown = sorted(set(a.group) - set(names))
@@ -110,7 +112,7 @@ def main(argv: list[str]) -> int:
         if not a.group or name in a.group:
             table.update(fitted)
     parse_spec(data, a.out)  # the result must be a valid spec before it is written
-    Path(a.out).write_text(tomli_w.dumps(data))
+    write_text(a.out, tomli_w.dumps(data))
     print(f"{a.spec} -> {a.out}: " + ", ".join(f"{k} = {v}" for k, v in fitted.items())
           + f" on {', '.join(a.group) or 'every group'}")
     return 0

@@ -12,7 +12,6 @@ lazily so that reading a profile needs no torch.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
@@ -21,7 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bimetal.args import ArgumentParser
 from bimetal.errors import UserError
+from bimetal.outputs import check_file, write_text
 from bimetal.plan import cost
 from bimetal.schema import SHAPE, check
 
@@ -211,7 +212,7 @@ def load_profile(path: str, where: str) -> float:
 
 
 def profile_main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="bimetal profile", description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="bimetal profile", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="debug", help=f"flavour: {', '.join(cost.MODELS)}")
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--micro-batch", type=int, default=1)
@@ -219,8 +220,9 @@ def profile_main(argv: list[str]) -> int:
     ap.add_argument("--threads", type=int, default=1, help="CPU threads (torch.set_num_threads)")
     ap.add_argument("--out", required=True, help="JSON profile to write")
     a = ap.parse_args(argv)
+    check_file("--out", a.out)  # before the minutes of timing
     prof = profile(a.model, a.seq, a.micro_batch, a.repeats, a.threads)
-    Path(a.out).write_text(json.dumps(prof, indent=1))
+    write_text(a.out, json.dumps(prof, indent=1))
     parts = ", ".join(f"{k} {v['fwd_s'] * 1e3:.2f}+{v['bwd_s'] * 1e3:.2f}+{v['optim_s'] * 1e3:.2f} ms"
                       for k, v in prof["parts"].items())
     print(f"{a.model} on {prof['device']} (mb {a.micro_batch} x seq {a.seq}; fwd+bwd+optim): {parts}; "

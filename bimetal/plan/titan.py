@@ -15,6 +15,7 @@ from typing import Any
 import tomli_w
 
 from bimetal.errors import UserError
+from bimetal.outputs import write_text
 from bimetal.plan.titan_split import module_fqns_per_model_part
 
 # planner model flavour -> (torchtitan --module, --config)
@@ -65,4 +66,4 @@ def write_titan(path: str | Path, plan: Any, n_layers: int, spec_path: str) -> N
         f"# On every node: torchrun --nnodes=N --nproc-per-node=GPUS --node-rank=I --rdzv-endpoint=HOST:29500 \\\n"
         f"#   -m bimetal.integrations.torchtitan --plan {Path(path).name}\n"
     )
-    Path(path).write_text(head + tomli_w.dumps(doc))
+    write_text(path, head + tomli_w.dumps(doc))

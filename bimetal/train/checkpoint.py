@@ -7,7 +7,10 @@ loaded with ``no_dist=True``: DCP's collective planning exchanges pickled object
 bimetal network path unpickles anything; the only traffic here is tensor barriers. A folder without
 ``COMPLETE`` is a half-written save and is never loaded; ``COMPLETE`` lists every file with its size, so a
 checkpoint damaged afterwards (a file cut short or lost) is recognised before loading and skipped for the one
-before it. ``prune`` keeps the newest ``checkpoint.keep_last``. Everything is written into ``.tmp-step-N`` first and
+before it; the marker also holds each file's CRC-32 (a writer sums its own part), so a file changed in place is
+found too when the ranks pick the checkpoint to resume from (``agree_latest``): whichever file is damaged, the
+run resumes from the checkpoint before it. The folder's files without torch: ``bimetal.train.ckpt_files``.
+``prune`` keeps the newest ``checkpoint.keep_last``. Everything is written into ``.tmp-step-N`` first and
 renamed once all ranks are done, so a crash leaves at most a temp folder that the next save replaces.
 Per-rank state that is not a tensor (data position, RNG) goes into ``extra-rank<R>.json``: JSON, not pickle.
 A tensor-parallel stage is saved as whole tensors (its tp ranks gather each ``DTensor``, tp rank 0 writes)
@@ -35,8 +38,10 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.tensor import DTensor
 
 from bimetal.errors import UserError
+from bimetal.train.ckpt_files import MARKER, check_meta, complete, crc32, damage, latest, manifest, prune, skipped_note
 
-MARKER = "COMPLETE"
+__all__ = ["MARKER", "agree_latest", "apply_training_state", "check_meta", "damage", "latest", "load", "prune",
+           "rng_state", "save", "set_rng_state", "training_state"]
 
 
 def training_state(model: nn.Module, opt: torch.optim.Optimizer, stage: int) -> dict[str, Any]:
@@ -103,107 +108,50 @@ def save(folder: str | Path, step: int, state: dict[str, Any], extra: dict[str, 
     if writer:
         with _no_single_process_warning():
             dcp.save(state, checkpoint_id=str(tmp / shard), no_dist=True)
+        # Each writer sums its own part while it is still in the page cache; rank 0 sums only the small rest.
+        sums = {str(f.relative_to(tmp)): crc32(f) for f in sorted((tmp / shard).rglob("*")) if f.is_file()}
+        (tmp / f".sums-rank{rank}.json").write_text(json.dumps(sums))
     (tmp / f"extra-rank{rank}.json").write_text(json.dumps(extra))
     _barrier(group)
     if rank == 0:
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-        files = _manifest(tmp)
+        sums = {}
+        for f in tmp.glob(".sums-rank*.json"):
+            sums.update(json.loads(f.read_text()))
+            f.unlink()
+        body = manifest(tmp, sums)
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
-        (final / MARKER).write_text(json.dumps({"step": step, "files": files}))
+        (final / MARKER).write_text(json.dumps({"step": step, **body}))
     _barrier(group)
     return final
 
 
-def _manifest(folder: Path) -> dict[str, int]:
-    """Every file of a checkpoint folder (relative path -> size in bytes), as written."""
-    return {str(f.relative_to(folder)): f.stat().st_size for f in sorted(folder.rglob("*")) if f.is_file()}
+def agree_latest(folder: str | Path, rank: int, reads: Callable[[str], bool], warn: Callable[[str], None],
+                 group: dist.ProcessGroup | None = None) -> Path | None:
+    """The newest checkpoint under ``folder`` that every rank can use, or None; every rank calls this.
 
-
-def damage(path: Path) -> str | None:
-    """Why the complete checkpoint ``path`` cannot be loaded (a file missing or cut short), or None if intact.
-
-    The marker lists every file and its size at save time; a checkpoint from before the list existed (its
-    marker holds only the step) is taken as intact.
+    Each rank checks the whole checkpoint's marker, sizes and JSON files, and reads the files it will load
+    (``reads`` selects them by name) against their checksums; the ranks then agree (a MIN over the world) on
+    the newest checkpoint none found damaged. A checkpoint passed over is named once, by the lowest rank that
+    found it damaged, with its reason.
     """
-    try:
-        marker = json.loads((path / MARKER).read_text())
-    except (OSError, ValueError):
-        return f"its {MARKER} marker cannot be read"
-    files = marker.get("files", {}) if isinstance(marker, dict) else {}
-    for name, size in files.items():
-        f = path / name
-        if not f.is_file():
-            return f"{name} is missing"
-        if f.stat().st_size != size:
-            return f"{name} has {f.stat().st_size} bytes, {size} were written"
-    return None
-
-
-def _steps(root: Path) -> list[tuple[int, Path]]:
-    """(step, folder) of every ``step-N`` folder under ``root``, oldest first (by number: 7 digits sort right)."""
-    found = [(int(p.name[5:]), p) for p in root.glob("step-*") if p.name[5:].isdigit() and p.is_dir()]
-    return sorted(found) if root.is_dir() else []
-
-
-def _complete(root: Path) -> list[Path]:
-    """Checkpoint folders under ``root`` that carry the marker, oldest first."""
-    return [p for _, p in _steps(root) if (p / MARKER).is_file()]
-
-
-def latest(folder: str | Path, warn: Callable[[str], None] | None = None) -> Path | None:
-    """The newest complete and intact checkpoint under ``folder``, or None.
-
-    A newer one that is damaged is skipped in favour of the one before it; ``warn`` gets one sentence for it.
-    """
-    root = Path(folder)
-    skipped: list[tuple[Path, str]] = []
+    world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+    mine: list[tuple[Path, str]] = []
     found = None
-    for path in reversed(_complete(root)):
-        why = damage(path)
-        if why is None:
+    for path in reversed(complete(Path(folder))):
+        why = damage(path, verify=reads)
+        first = torch.tensor([rank if why else world], dtype=torch.int64)
+        if world > 1:
+            dist.all_reduce(first, op=dist.ReduceOp.MIN, group=group)
+        if int(first) == world:
             found = path
             break
-        skipped.append((path, why))
-    if warn is not None:
-        instead = (f"resuming from {found.name} instead" if found
-                   else "no intact checkpoint is left, so the run starts from step 0")
-        for path, why in skipped:
-            warn(f"checkpoint {path} is damaged ({why}); {instead}.")
+        if int(first) == rank and why:
+            mine.append((path, why))
+    for path, why in mine:
+        warn(skipped_note(path, why, found))
     return found
-
-
-def prune(folder: str | Path, keep_last: int) -> list[Path]:
-    """Delete checkpoints older than the newest ``keep_last`` intact ones (0 keeps all); returns what went.
-
-    Half-written and damaged folders older than the oldest kept checkpoint go too; newer ones stay.
-    """
-    if keep_last <= 0:
-        return []
-    root = Path(folder)
-    intact = [p for p in reversed(_complete(root)) if damage(p) is None][:keep_last]
-    if len(intact) < keep_last:
-        return []
-    folders = [p for _, p in _steps(root)]
-    gone = folders[:folders.index(intact[-1])]
-    for p in gone:
-        shutil.rmtree(p, ignore_errors=True)
-    return gone
-
-
-# Keys added after checkpoints without them were written: their value in those checkpoints.
-_META_DEFAULTS = {"tp": 1, "dp_shard": 1}
-
-
-def check_meta(path: Path, meta: dict[str, Any]) -> dict[str, Any]:
-    """Raise ``UserError`` if the checkpoint at ``path`` was written for another model or layout."""
-    saved = json.loads((path / "meta.json").read_text())
-    for key in ("family", "flavour", "layers_per_stage", "dp", "dp_shard", "tp"):
-        was, now = saved.get(key, _META_DEFAULTS.get(key)), meta.get(key, _META_DEFAULTS.get(key))
-        if was != now:
-            raise UserError(f"checkpoint {path} is for {key}={was!r} but this run has {key}={now!r}; point "
-                            "checkpoint.folder elsewhere or match the config.")
-    return saved
 
 
 def load(path: Path, state: dict[str, Any], rank: int, shard: str = "stage0") -> dict[str, Any]:

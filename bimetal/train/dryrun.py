@@ -1,6 +1,8 @@
 """``bimetal train --config F --dry-run``: per-stage memory per GPU against each stage's device, nothing run.
 
-No rank starts, no GPU is touched and nothing is written. Each stage of the layout is the trainer's own
+No rank starts, no GPU is touched and nothing is written. The config reported is the one the run would use,
+after every check the run makes before its ranks start (``bimetal.train.prepare``: ``--simulate``'s layout
+applied and checked, outputs, data, resume). Each stage of the layout is the trainer's own
 module on the meta device; its bytes come from ``bimetal.train.memory`` (parameters counted, activations
 measured on fake tensors; the assumptions are listed there). The device of each stage comes from the
 cluster spec named by ``parallel.cluster``: stages take the spec's GPUs in file order, ``pp*dp*tp`` of them,
@@ -183,15 +185,20 @@ def format_report(cfg: TrainConfig, stages: list[StageMemory]) -> str:
     return "\n".join(lines)
 
 
-def dry_run(cfg: TrainConfig, as_json: bool = False) -> int:
-    """Print the report; 0 when every stage fits (or no device is known), 1 when one does not."""
+def dry_run(cfg: TrainConfig, as_json: bool = False, local: bool = True) -> int:
+    """Print the report of a config ``bimetal.train.prepare`` passed; 0 when every stage fits (or no device is
+    known), 1 when one does not. ``local``: its ranks would run here, so the files they read and write were
+    checked too (else the report says they are left to the ranks)."""
     stages = report(cfg)
     if as_json:
-        out: dict[str, Any] = {"reserve": MEMORY_RESERVE, "stages": [
+        out: dict[str, Any] = {"reserve": MEMORY_RESERVE, "files_checked": local, "stages": [
             asdict(s) | {"total": s.total, "fits": s.fits} for s in stages]}
         print(json.dumps(out, indent=1))
     else:
         print(format_report(cfg, stages))
+        if not local:
+            print(f"a torchrun job of {cfg.parallel.pp * cfg.parallel.dp * cfg.parallel.tp} ranks: its data, tokenizer "
+                  "and output folders are checked by each rank on its node at start-up, not here")
     bad = [s for s in stages if s.fits is False]
     if bad and not as_json:
         print(f"stage {bad[0].stage} does not fit its {bad[0].device}: shard the optimizer state "

@@ -21,7 +21,8 @@ from bimetal.train.pp_comms import gather_full_state
 from bimetal.train.tp import full_tensor
 
 
-def export_model(model: nn.Module, family: str, args: Any, split: list[int], ctx: Any, path: str | Path) -> None:
+def export_model(model: nn.Module, family: str, args: Any, split: list[int], ctx: Any, path: str | Path,
+                 max_shard_bytes: int = 0) -> None:
     """Every rank calls this after training; the HF folder appears at ``path`` (written by one rank)."""
     from bimetal import models
 
@@ -42,7 +43,7 @@ def export_model(model: nn.Module, family: str, args: Any, split: list[int], ctx
     with torch.no_grad():
         gather_full_state(own, target, owners, rank, dst, stage_names)
     if rank == dst and full is not None:
-        export_hf(full, args, str(path))
+        export_hf(full, args, str(path), max_shard_bytes)
         print(f"exported the trained model to {path}", flush=True)
     if ctx is not None:
         torch.distributed.barrier()

@@ -77,17 +77,19 @@ def check_slurm(cfg: TrainConfig, job: SlurmJob) -> None:
                      vendor=vendor)
 
 
-def check_model(cfg: TrainConfig) -> None:
-    """Model, tokenizer and stage split, as every rank would check them (once, here)."""
+def check_model(cfg: TrainConfig, tokenizer: bool = True) -> None:
+    """Model, stage split and (``tokenizer``: its file is here) tokenizer, as every rank would check them."""
     from bimetal.train.tokenizer import build_tokenizer
     from bimetal.train.trainer import _model_args
 
     args = _model_args(cfg)
+    cfg.stage_split(args.n_layers)
+    if not tokenizer:
+        return
     tok = build_tokenizer(cfg.data.tokenizer)
     if tok.vocab_size > args.vocab_size:
         raise UserError(f"tokenizer {cfg.data.tokenizer!r} has {tok.vocab_size} tokens but model "
                         f"{cfg.model.family}/{cfg.model.flavour} has only {args.vocab_size}; match them.")
-    cfg.stage_split(args.n_layers)
 
 
 def check_data(cfg: TrainConfig) -> None:

@@ -32,6 +32,7 @@ from bimetal.errors import JobAborted, UserError
 from bimetal.supervisor import report_step
 from bimetal.topology.local_device import bind_rank_device
 from bimetal.train import checkpoint
+from bimetal.train.ckpt_files import run_meta
 from bimetal.train.console import StepConsole
 from bimetal.train.data import TokenStream, load_tokens
 from bimetal.train.export import export_model
@@ -258,8 +259,7 @@ def _run(cfg: TrainConfig, ctx: Any, smesh: Any, models: Any, args: Any, split: 
                                 autocast_dtype=amp, tp_mesh=mesh)
         del hidden, ids, logits
     folder = cfg.checkpoint.folder or f"{cfg.metrics.run_dir}/checkpoints"
-    meta = {"family": family, "flavour": cfg.model.flavour, "layers_per_stage": split, "dp": dp_size,
-            "dp_shard": cfg.parallel.dp_shard, "tp": cfg.parallel.tp}
+    meta = run_meta(cfg, split)
     # Sharded (tp=1): the first replica group writes, each shard owner its own part of local shards.
     # Otherwise the stage's first replica writes whole tensors (tp rank 0, after the stage's ranks gather each
     # DTensor: FSDP x TP shards are 2-D), and a load reads each rank's slices of them.
@@ -272,11 +272,14 @@ def _run(cfg: TrainConfig, ctx: Any, smesh: Any, models: Any, args: Any, split: 
     start = 0
     # A rank restarted by torchrun (--max-restarts) resumes by itself: it loses at most one interval.
     resume = cfg.checkpoint.resume or not faults.first_attempt()
-    path = checkpoint.latest(folder, warn=_warn if rank == 0 else None) if resume else None
+    # Each rank reads its own part, its extra and the meta back against their checksums; all take the newest
+    # checkpoint no rank found damaged.
+    reads = lambda name: name in ("meta.json", f"extra-rank{rank}.json") or name.startswith(part + "/")  # noqa: E731
+    path = checkpoint.agree_latest(folder, rank, reads, _warn) if resume else None
     if resume and path is None and rank == 0:
         print(f"no complete checkpoint in {folder}; starting from step 0", flush=True)
     if path is not None:
-        checkpoint.check_meta(path, meta)
+        checkpoint.check_meta(path, meta, cfg.checkpoint.resume_changed, note=_warn if rank == 0 else None)
         state = checkpoint.training_state(model, opt, stage)
         if not local_shards:  # DTensors read their slices of the whole tensors
             extra = checkpoint.load(path, state, rank, shard=part)
@@ -369,7 +372,7 @@ def _run(cfg: TrainConfig, ctx: Any, smesh: Any, models: Any, args: Any, split: 
         report_step(step + 1)  # for the launcher's sentence if this rank dies; no-op outside bimetal's launcher
         faults.after_step(rank, step + 1)  # fault injection for the reliability tests; no-op unless configured
     if cfg.checkpoint.export_hf:
-        export_model(model, family, args, split, ctx, cfg.checkpoint.export_hf)
+        export_model(model, family, args, split, ctx, cfg.checkpoint.export_hf, cfg.checkpoint.export_shard_bytes)
     # the transports as built (a device-direct group that fell back reports cpu-forward and why)
     transport = ctx.built_backend(pp_name) if runner is not None else "none"
     dp_x = "none"

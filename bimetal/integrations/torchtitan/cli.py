@@ -14,22 +14,30 @@ Precedence: torchtitan CLI overrides > ``--plan`` file > the ``--config`` functi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
+import logging
+import logging.handlers
 import os
 import sys
 import tomllib
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from bimetal import transports
+from bimetal.args import ArgumentParser
+from bimetal.env import check_needs
 from bimetal.env import read as read_env
 from bimetal.errors import UserError
+from bimetal.outputs import check_folder
 from bimetal.plan.titan_split import module_fqns_per_model_part, parse_split
 from bimetal.topology import slurm
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="bimetal titan", description=__doc__.splitlines()[0], add_help=True)
+    p = ArgumentParser(prog="bimetal titan", description=__doc__.splitlines()[0], add_help=True)
     p.add_argument("--simulate", help="simulated vendors by global rank, e.g. nvidia:2,amd:2 (CPU, this machine)")
     p.add_argument("--cpu", action="store_true", help="install the CPU stand-ins without simulating (one rank)")
     p.add_argument("--pp-transport", choices=transports.BIMETAL,
@@ -140,12 +148,59 @@ def _module_name(titan_args: list[str]) -> str:
     raise UserError("--module is required, e.g. --module llama3 --config llama3_debugmodel")
 
 
+@contextlib.contextmanager
+def held_back(drop: str = "") -> Iterator[None]:
+    """What torchtitan (and torch) log or warn while bimetal checks a run is held back: shown once every check
+    passed (but lines containing ``drop``, a warning bimetal makes moot), dropped when one refuses the run, so
+    a refusal is its one sentence. torchtitan logs through the root logger."""
+    root = logging.getLogger()
+    buffer = logging.handlers.BufferingHandler(capacity=1 << 16)
+    saved, root.handlers = root.handlers, [buffer]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        try:
+            yield
+        except UserError:
+            buffer.buffer.clear()
+            caught.clear()
+            raise
+        finally:
+            # torchtitan's init_logger, run inside, replaces the handlers: keep its; else put ours back
+            root.handlers = saved if root.handlers == [buffer] else [h for h in root.handlers if h is not buffer]
+    handlers = root.handlers or ([logging.lastResort] if logging.lastResort else [])
+    for record in buffer.buffer:
+        if not (drop and drop in record.getMessage()) and record.levelno >= root.getEffectiveLevel():
+            for handler in handlers:
+                if record.levelno >= handler.level:
+                    handler.handle(record)
+    for w in caught:
+        warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+
+
+def check_outputs(config: Any) -> None:
+    """torchtitan's output folders that this run writes can be created and written (one sentence otherwise)."""
+    dump = config.dump_folder
+    check_folder("--dump_folder", dump)
+    if config.checkpoint.enable:
+        check_folder("--checkpoint.folder", os.path.join(dump, config.checkpoint.folder))
+    if config.metrics.enable_tensorboard:
+        check_folder("--metrics.save_tb_folder", os.path.join(dump, config.metrics.save_tb_folder))
+
+
 def main(argv: list[str]) -> int:
     opts, titan_args = build_parser().parse_known_args(argv)
     # A task of an srun step is a rank: Slurm's variables become torchrun's (bimetal.topology.slurm).
     slurm_job = None if opts.simulate else slurm.adopt()
     if opts.all_gloo and not opts.simulate and not read_env("BIMETAL_SIMULATE"):
         raise UserError("--all-gloo is a reference for simulated runs; it needs --simulate")
+    if opts.assets and not opts.simulate:
+        raise UserError("--assets is where --simulate writes its CPU tokenizer and dataset; add --simulate or drop "
+                        "it (without --simulate give torchtitan's --hf_assets_path and --dataloader.dataset_path).")
+    if opts.cpu and opts.simulate:
+        raise UserError("--cpu installs the CPU stand-ins for one rank without --simulate; --simulate installs them "
+                        "already: drop --cpu.")
+    check_needs(simulated=bool(opts.simulate or read_env("BIMETAL_SIMULATE")))
+    check_folder("--dump_folder", _dump_folder(titan_args))  # before torchtitan's slow import
     plan = _read_plan(opts.plan)
     titan_args = _plan_args(plan, titan_args) + titan_args
     split = parse_split(opts.layers_per_stage) if opts.layers_per_stage else None
@@ -156,7 +211,14 @@ def main(argv: list[str]) -> int:
         return _launch_simulated(opts, titan_args, split, pp_transport)
     if slurm_job is not None and opts.cluster:
         _check_slurm(slurm_job, opts.cluster, plan.get("bimetal", {}).get("stage_groups"))
-    return run_rank(titan_args, cpu=opts.cpu or bool(read_env("BIMETAL_SIMULATE")), split=split,
+    cpu = opts.cpu or bool(read_env("BIMETAL_SIMULATE"))
+    if not cpu:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UserError(f"without --simulate or --cpu this is one rank of a GPU job, but this torch "
+                            f"({torch.__version__}) sees no GPU; add --simulate (e.g. nvidia:1,amd:1) or --cpu.")
+    return run_rank(titan_args, cpu=cpu, split=split,
                     pp_transport=pp_transport, all_gloo=opts.all_gloo)
 
 
@@ -181,8 +243,9 @@ def _launch_simulated(opts: argparse.Namespace, titan_args: list[str], split: li
         vendors = parse_simulate(opts.simulate)
     except ValueError as exc:
         raise UserError(str(exc)) from None
-    cpu_support.install(_module_name(titan_args))
     assets = Path(opts.assets or Path(_dump_folder(titan_args)) / "bimetal_assets")
+    check_folder("--assets" if opts.assets else "--assets (default <dump_folder>/bimetal_assets)", assets)
+    cpu_support.install(_module_name(titan_args))
     # The paths only: the assets are written once every check has passed (a refused run writes nothing).
     tok_dir, data_dir = assets / "tokenizer", assets / "c4_test"
     if not _given(titan_args, "hf_assets_path"):
@@ -191,14 +254,16 @@ def _launch_simulated(opts: argparse.Namespace, titan_args: list[str], split: li
         titan_args = [f"--dataloader.dataset_path={data_dir}"] + titan_args
     if not _given(titan_args, "training.disable_cuda_graphs"):  # no CUDA graphs on CPU
         titan_args = ["--training.disable_cuda_graphs"] + titan_args
-    config = load_config(titan_args, cpu=True, split=split)
-    check_supported(config, len(vendors))
-    par = config.parallelism
-    degrees = {"pp": par.pipeline_parallel_degree, "dp_replicate": par.data_parallel_replicate_degree,
-               "dp_shard": par.data_parallel_shard_degree, "cp": par.context_parallel_degree,
-               "tp": par.tensor_parallel_degree}
-    if not opts.all_gloo:
-        preflight(degrees, vendors, pp_transport, simulated=True)
+    with held_back(drop=f"HF assets path {tok_dir} does not exist"):  # written below, once the checks pass
+        config = load_config(titan_args, cpu=True, split=split)
+        check_supported(config, len(vendors))
+        check_outputs(config)
+        par = config.parallelism
+        degrees = {"pp": par.pipeline_parallel_degree, "dp_replicate": par.data_parallel_replicate_degree,
+                   "dp_shard": par.data_parallel_shard_degree, "cp": par.context_parallel_degree,
+                   "tp": par.tensor_parallel_degree}
+        if not opts.all_gloo:
+            preflight(degrees, vendors, pp_transport, simulated=True)
     if (tok_dir, data_dir) != cpu_support.write_assets(assets):
         raise RuntimeError(f"cpu_support.write_assets wrote elsewhere than {tok_dir} and {data_dir}")
     rank_argv = ["-m", "bimetal.integrations.torchtitan", f"--pp-transport={pp_transport}"]
@@ -230,9 +295,11 @@ def run_rank(titan_args: list[str], cpu: bool, split: list[int] | None, pp_trans
     from bimetal.integrations.torchtitan.trainer import BimetalOptions, BimetalTrainer
 
     _torch_compat.install()
-    init_logger()
-    config = load_config(titan_args, cpu=cpu, split=split)
-    check_supported(config, int(os.environ.get("WORLD_SIZE", "1")))
+    with held_back():
+        config = load_config(titan_args, cpu=cpu, split=split)
+        check_supported(config, int(os.environ.get("WORLD_SIZE", "1")))
+        check_outputs(config)
+        init_logger()  # torchtitan's log format from here on (what was held back is shown in it)
     trainer = None
     try:
         trainer = BimetalTrainer(config, BimetalOptions(pp_transport=pp_transport, all_gloo=all_gloo, cpu=cpu))

@@ -1,0 +1,209 @@
+"""From the command line of ``bimetal train`` to a job that can start: the one path the run and the dry-run share.
+
+``prepare`` reads the options and the environment, loads the config, applies the layout ``--simulate`` chooses
+when the command line gives none, and runs every check that needs no process group: options that need another,
+the environment (a GPU asked for and absent), the layout against the simulated world, the stage split, tp
+against the model, the transports, the model and tokenizer, the data, every output folder (run folder,
+checkpoint folder, export folder: ``bimetal.outputs``) and, on a resume, the checkpoint against the config
+(``bimetal.train.ckpt_files``). ``bimetal train`` then starts the ranks or trains; ``--dry-run`` prints its
+memory report of the same config. So no command passes the dry-run and is refused by the run before a rank
+starts, or the other way round.
+
+One difference is by design: a dry-run without ``--simulate`` of a layout of several ranks describes a torchrun
+job, whose ranks run elsewhere. It checks everything above but the files those ranks read and write on their
+nodes (data, tokenizer file, output folders, the checkpoint of a resume); each rank checks those at its start,
+before step 1 (the same ``check_outputs``). A refusal that names a key set in the ``--config`` file names the
+file too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import logging
+import os
+from dataclasses import dataclass, field
+
+from bimetal.config import TrainConfig, blame_file, load_config, parse_overrides, parse_value
+from bimetal.env import check_environment, check_needs, unknown_warning
+from bimetal.errors import UserError
+from bimetal.outputs import check_folder
+from bimetal.supervisor import REPORT_ENV
+from bimetal.topology.vendor import is_simulated, parse_simulate
+from bimetal.train.preflight import check_data, check_layout, check_model, check_world, choose_layout
+from bimetal.transports import TRANSPORTS
+
+_log = logging.getLogger(__name__)
+
+
+@dataclass
+class Job:
+    """A training command that passed every check before ranks: its config and where its ranks run."""
+
+    cfg: TrainConfig
+    vendors: list[str] = field(default_factory=list)
+    """Vendor of each simulated rank (``--simulate``); empty without it."""
+    auto: list[str] = field(default_factory=list)
+    """The layout overrides chosen from ``--simulate`` (empty when the command line or the config gives one)."""
+    note: str = ""
+    """The sentence that says which layout was chosen, printed when the job starts."""
+    local: bool = True
+    """Its ranks run on this machine (or it is one rank): the files they read and write were checked here."""
+
+
+def add_options(parser: argparse.ArgumentParser) -> None:
+    """The options of ``bimetal train`` besides the ``--section.key=value`` overrides."""
+    parser.add_argument("--config", help="TOML config file")
+    parser.add_argument("--simulate", help="simulate vendors on this machine, e.g. nvidia:2,amd:2")
+    parser.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
+    parser.add_argument("--resume-changed", action="store_true",
+                        help="with --resume: accept a config that changes what the checkpoint's loss trajectory "
+                             "depends on (each change is logged); without it such a resume is refused")
+    parser.add_argument("--max-restarts", type=int, default=0,
+                        help="with --simulate: restart the ranks this often after a failure; they resume by themselves")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="start nothing: run every check of the run, print each stage's memory per GPU against "
+                             "its device and exit")
+    parser.add_argument("--json", action="store_true", help="with --dry-run: the report as JSON")
+
+
+def _check_options(ns: argparse.Namespace, in_rank: bool) -> None:
+    if ns.json and not ns.dry_run:
+        raise UserError("--json formats the --dry-run report; add --dry-run or drop --json.")
+    if ns.max_restarts < 0:
+        raise UserError(f"--max-restarts={ns.max_restarts} must be zero or more.")
+    if ns.max_restarts and not ns.simulate and not in_rank:
+        raise UserError("--max-restarts needs --simulate (under torchrun, give torchrun's own --max-restarts).")
+
+
+def _check_transports(cfg: TrainConfig) -> None:
+    """Refuse a transport this build lacks before any rank starts (else every rank dies in group creation)."""
+    for key in ("pp_transport", "dp_transport"):
+        name = getattr(cfg.parallel, key)
+        module = TRANSPORTS[name].module if name in TRANSPORTS else None
+        if module is None:
+            continue
+        try:
+            ok = hasattr(importlib.import_module(module), "create_process_group")
+        except ImportError:
+            ok = False
+        if not ok:
+            raise UserError(f"parallel.{key}={name!r} is not available in this build ({module} is missing); "
+                            f"choose another transport, e.g. --parallel.{key}=gloo.")
+
+
+def _check_tp_divides_model(cfg: TrainConfig) -> None:
+    """Refuse a ``parallel.tp`` that does not divide the model's heads, kv heads, MLP width or vocabulary."""
+    if cfg.parallel.tp > 1:  # the model's shapes must split by tp; refused here rather than on every rank
+        from bimetal.train.tp import check_tp
+        from bimetal.train.trainer import _model_args
+
+        check_tp(_model_args(cfg), cfg.parallel.tp, f"{cfg.model.family}/{cfg.model.flavour}")
+
+
+def _auto_layout(ns: argparse.Namespace, overrides: list[str], vendors: list[str]) -> tuple[list[str], str]:
+    """With no config and no layout on the command line: the layout from the simulated world (chosen before
+    ``parallel.layers_per_stage`` is checked against it), and the sentence saying so."""
+    given = parse_overrides(overrides)
+    if ns.config or {"parallel.pp", "parallel.dp", "parallel.tp"} & set(given):
+        return [], ""
+    from bimetal.train.trainer import _model_args
+
+    split_text = given.pop("parallel.layers_per_stage", None)
+    pp, dp = choose_layout(vendors, _model_args(load_config(None, given)).n_layers)
+    split = parse_value("parallel.layers_per_stage", split_text) if split_text is not None else []
+    if split and len(split) != pp:
+        raise UserError(f"parallel.layers_per_stage={split} has {len(split)} entries but the layout chosen from the "
+                        f"{len(vendors)} simulated ranks has pp={pp} stages; give one count per stage, or choose "
+                        "the layout with --parallel.pp and --parallel.dp.")
+    chosen = [f"--parallel.pp={pp}", f"--parallel.dp={dp}"]
+    note = (f"bimetal train: no --config; layout chosen from the {len(vendors)} simulated ranks: pp={pp} x dp={dp} "
+            f"({'stages of one vendor each' if pp > 1 else 'data parallel only'}; {' '.join(chosen)})")
+    return chosen, note
+
+
+def checkpoint_folder(cfg: TrainConfig) -> str:
+    """Where the run's checkpoints go: ``checkpoint.folder``, else ``<run_dir>/checkpoints``."""
+    return cfg.checkpoint.folder or os.path.join(cfg.metrics.run_dir, "checkpoints")
+
+
+def check_outputs(cfg: TrainConfig) -> None:
+    """Every folder the run writes can be created and written (and the export folder holds no other weights);
+    run before any rank starts and again by each rank, before step 1. Writes nothing."""
+    from bimetal.models.hf_write import check_export
+
+    if not cfg.metrics.run_dir.strip():
+        raise UserError("metrics.run_dir is empty; give the folder the run writes its metrics to.")
+    check_folder("metrics.run_dir", cfg.metrics.run_dir)
+    check_folder("checkpoint.folder" if cfg.checkpoint.folder else "checkpoint.folder (default <run_dir>/checkpoints)",
+                 checkpoint_folder(cfg))
+    if cfg.checkpoint.export_hf:
+        check_export("checkpoint.export_hf", cfg.checkpoint.export_hf)
+
+
+def check_resume(cfg: TrainConfig) -> None:
+    """On a resume: the newest usable checkpoint against the config (layout, and the settings its trajectory
+    depends on unless ``checkpoint.resume_changed``). The ranks check the one they pick again."""
+    if not cfg.checkpoint.resume:
+        return
+    from bimetal.train.ckpt_files import check_meta, latest, run_meta
+    from bimetal.train.trainer import _model_args
+
+    path = latest(checkpoint_folder(cfg))
+    if path is not None:
+        check_meta(path, run_meta(cfg, cfg.stage_split(_model_args(cfg).n_layers)), cfg.checkpoint.resume_changed)
+
+
+def prepare(ns: argparse.Namespace, rest: list[str]) -> Job:
+    """The job of this command line, every check before ranks passed; ``UserError`` (one sentence) otherwise."""
+    in_rank = "RANK" in os.environ
+    _check_options(ns, in_rank)
+    unknown = check_environment()
+    if unknown and (not in_rank or (os.environ.get("RANK") == "0" and REPORT_ENV not in os.environ)):
+        _log.warning("bimetal train: warning: %s", unknown_warning(unknown))
+    vendors = parse_simulate(ns.simulate) if ns.simulate else []  # SimulationSpecError: one sentence
+    check_needs(simulated=bool(vendors) or is_simulated())
+    overrides = list(rest) + (["--checkpoint.resume=true"] if ns.resume else []) + \
+        (["--checkpoint.resume_changed=true"] if ns.resume_changed else [])
+    try:
+        auto, note = _auto_layout(ns, overrides, vendors) if vendors and not in_rank else ([], "")
+        cfg = load_config(ns.config, overrides + auto)  # names the file for a bad value set there
+        return _checked(ns, cfg, vendors, in_rank, auto, note)
+    except UserError as exc:
+        raise blame_file(exc, ns.config, overrides) from None
+
+
+def _checked(ns: argparse.Namespace, cfg: TrainConfig, vendors: list[str], in_rank: bool, auto: list[str],
+             note: str) -> Job:
+    p = cfg.parallel
+    world = p.pp * p.dp * p.tp
+    if cfg.metrics.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise UserError("metrics.tensorboard=true needs the tensorboard package, which is not installed; "
+                        "pip install tensorboard, or drop the setting.")
+    _check_tp_divides_model(cfg)
+    if world > 1:
+        _check_transports(cfg)
+    if in_rank:
+        check_world(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+        check_outputs(cfg)  # this rank's view of the folders (another node's disks under torchrun)
+        return Job(cfg, vendors)
+    check_model(cfg, tokenizer=False)  # the model and its stage split: the config alone
+    if vendors:
+        check_layout(cfg, vendors)
+    elif world > 1 and not ns.dry_run:
+        raise UserError(f"the layout parallel.pp={p.pp} x parallel.dp={p.dp} needs {world} ranks but this is one "
+                        "process outside torchrun (world size 1); add --simulate (e.g. --simulate nvidia:2,amd:2) or "
+                        "start it with torchrun.")
+    local = bool(vendors) or world == 1
+    if local:
+        check_model(cfg)  # and the tokenizer file, read here
+    if cfg.parallel.cluster:  # what the dry-run sizes against; a spec that does not fit is wrong for the run too
+        from bimetal.train.dryrun import stage_devices
+
+        stage_devices(cfg)
+    if local:  # the ranks run here: what they read and write is checked here
+        check_data(cfg)
+        check_outputs(cfg)
+        check_resume(cfg)
+    return Job(cfg, vendors, auto, note, local)

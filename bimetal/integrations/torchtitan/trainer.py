@@ -11,7 +11,10 @@ Public extension points only, apart from ``_torch_hooks``:
 
 * ``BimetalTrainer.pp_forward_backward_step`` hands every pipeline rank the loss of the last stage (a sum over
   the pp group of the last stage's loss and zeros, so the value is unchanged bit for bit) on steps that log:
-  each rank's step line shows the loss, not torchtitan's ``-1`` placeholder of the stages before the last.
+  each rank's step line shows the loss, not torchtitan's ``-1`` placeholder of the stages before the last (and
+  torchtitan's advice to add the last stage's rank to ``LOG_RANK`` is dropped: it no longer applies);
+* ``BimetalTrainer.train_step`` notes each completed step for bimetal's launcher (a crashed rank is named with its
+  last step) and runs bimetal's fault injection (``bimetal.faults``; nothing unless its variable is set).
 
 After training, ``report`` writes ``<dump_folder>/bimetal/rank<r>.json``: per-step losses (on ranks that
 hold the last stage), and every mesh dimension's back-end, ranks and (for bimetal transports) byte counters; a
@@ -21,6 +24,7 @@ per-hop pp group lists each of this rank's pairs (``hops``) and its collectives 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -32,13 +36,14 @@ import torch.distributed as dist
 from torchtitan.distributed import ParallelDims
 from torchtitan.trainer import Trainer
 
-from bimetal import transports
+from bimetal import faults, transports
 from bimetal.comm.registry import CPU_FORWARD, register_backends
 from bimetal.integrations.torchtitan import cpu_support
 from bimetal.integrations.torchtitan._torch_hooks import mesh_backends
 from bimetal.integrations.torchtitan.mesh import MeshBackends
 from bimetal.parallel.context import _init_world
 from bimetal.plan.titan_split import part_ranks
+from bimetal.supervisor import report_step
 from bimetal.topology.exchange import exchange_topology
 from bimetal.topology.vendor import detect_vendor, is_simulated
 
@@ -81,6 +86,7 @@ class BimetalTrainer(Trainer):
     def __init__(self, config: Any, options: BimetalOptions | None = None) -> None:
         self.bimetal = options or BimetalOptions()
         self.losses: list[dict[str, float]] = []
+        logging.getLogger().addFilter(_drop_loss_rank_advice)  # torchtitan's logger is the root logger
         super().__init__(config)
         if self.bimetal.cpu:
             cpu_support.sum_reduction_for_fsdp(self.model_parts)
@@ -111,6 +117,11 @@ class BimetalTrainer(Trainer):
                                      timeout_s=timeout.total_seconds())
         dims.build_mesh()
         return dims
+
+    def train_step(self, data_iterator: Any) -> None:
+        super().train_step(data_iterator)
+        report_step(self.step)  # for the launcher's sentence if this rank dies; no-op outside bimetal's launcher
+        faults.after_step(dist.get_rank(), self.step)
 
     def pp_forward_backward_step(self, **kwargs: Any) -> torch.Tensor:
         loss = super().pp_forward_backward_step(**kwargs)
@@ -143,6 +154,12 @@ class BimetalTrainer(Trainer):
         out.write_text(json.dumps({"rank": rank, "vendor": detect_vendor(rank), "last_stage": bool(last),
                                    "losses": self.losses if last else [], "groups": groups}, indent=1))
         return out
+
+
+def _drop_loss_rank_advice(record: logging.LogRecord) -> bool:
+    """False for torchtitan's "Pipeline Parallel loss is not visible ... add rank N to LOG_RANK": every rank shows
+    the loss under bimetal (``pp_forward_backward_step``)."""
+    return "loss is not visible" not in str(record.msg)
 
 
 def _group_record(pg: Any, backend: str) -> dict[str, Any]:

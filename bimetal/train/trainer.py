@@ -140,8 +140,8 @@ class _XvendorMeter:
                 self.counters = pg.cross_vendor_counters()
             elif getattr(pg, "counters", None) is not None:
                 self.counters = [pg.counters]
-        parts = (["pp: " + ("transport counters of the crossing hops" if self.counters is not None
-                            else "pipeline send ops across vendors")] if self.pp else []) + (
+        parts = (["pp: " + ("transport counters" if self.counters is not None else "pipeline send ops")]
+                 if self.pp else []) + (
             ["dp: all-reduce payload"] if self.dp else [])
         self.source = "; ".join(parts) or "none"
         self._last = self._sent()

@@ -28,8 +28,8 @@ from launcher import bimetal, clean_env
 
 from bimetal.integrations.torchtitan import available
 
-pytestmark = [pytest.mark.skipif(not available(), reason="torchtitan is not installed: pip install 'bimetal[torchtitan]'"),
-              pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.skipif(not available(), reason="torchtitan is not installed: pip install "
+                                                          "'bimetal[torchtitan]'"), pytest.mark.timeout(300)]
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = ROOT / "tests" / "data" / "titan_pp4_interleaved_gloo.json"
 COMMON = ["--module", "llama3", "--config", "llama3_debugmodel", "--training.seq_len=32",

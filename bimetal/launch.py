@@ -20,6 +20,7 @@ import sys
 from bimetal.args import ArgumentParser
 from bimetal.env import check_environment, check_needs
 from bimetal.errors import UserError
+from bimetal.rank_output import RankOutput
 from bimetal.topology.vendor import SIMULATE_ENV, SimulationSpecError, parse_simulate
 
 
@@ -35,9 +36,12 @@ def launch(
     extra_env: dict[str, str] | None = None,
     torchrun_args: list[str] | None = None,
     name: str = "bimetal launch",
+    output: RankOutput | None = None,
 ) -> int:
     """Run ``rank_argv`` (a script path or ``-m module`` plus arguments) as the ranks of one node.
 
+    ``name`` starts the launcher's sentences (the command the user typed); ``output`` prefixes and filters the
+    ranks' lines (``bimetal.rank_output``; torchrun's own options on a multi-node launch).
     Returns the launcher's exit status (non-zero if any rank failed).
     """
     if not rank_argv:
@@ -73,7 +77,7 @@ def launch(
         from bimetal.supervisor import RankSupervisor
 
         return RankSupervisor([sys.executable, *rank_argv], nproc_per_node, env, max_restarts, name, vendors,
-                              port=master_port or 0).run()
+                              port=master_port or 0, output=output).run()
 
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc_per_node}"]
     if nnodes == 1 and master_addr is None:
@@ -81,7 +85,7 @@ def launch(
     else:
         cmd += [f"--nnodes={nnodes}", f"--node-rank={node_rank}", f"--master-addr={master_addr or '127.0.0.1'}"]
         cmd.append(f"--master-port={master_port or 29500}")
-    cmd += [f"--max-restarts={max_restarts}", *(torchrun_args or [])]
+    cmd += [f"--max-restarts={max_restarts}", *(output.torchrun_args() if output else []), *(torchrun_args or [])]
     if rank_argv[0] == "-m":
         cmd.append("--module")
         rank_argv = rank_argv[1:]

@@ -13,7 +13,10 @@ so a rank cannot tell it from torchrun, but it owns what torchrun does not let b
 * **signals**: SIGINT/SIGTERM to the launcher stops every rank it started (each rank runs in its own session
   and gets SIGKILL if the launcher itself is killed), exit status 128 + signal;
 * **restarts**: with ``max_restarts`` the whole attempt is stopped and started again with the restart count
-  raised; ranks then resume from their newest checkpoint by themselves.
+  raised; ranks then resume from their newest checkpoint by themselves;
+* **output** (optional, ``bimetal.rank_output.RankOutput``): each rank's lines prefixed ``[rank<R>]:`` and only
+  the chosen ranks shown, as torchrun's ``--local-ranks-filter``; otherwise the ranks write to the launcher's
+  own stdout and stderr.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from typing import Any
 
 from bimetal.env import read as read_env
 from bimetal.errors import UserError
+from bimetal.rank_output import RankOutput
 
 _log = logging.getLogger(__name__)
 
@@ -113,10 +117,10 @@ class RankSupervisor:
 
     def __init__(self, cmd: list[str], nproc: int, env: dict[str, str], max_restarts: int = 0,
                  name: str = "bimetal launch", vendors: list[str] | None = None, grace_s: float = 10.0,
-                 port: int = 0) -> None:
+                 port: int = 0, output: RankOutput | None = None) -> None:
         self.cmd, self.nproc, self.env, self.max_restarts = cmd, nproc, env, max_restarts
         self.port = port  # of the store the launcher hosts (--master-port); 0: any free one
-        self.name, self.vendors, self.grace_s = name, vendors or [], grace_s
+        self.name, self.vendors, self.grace_s, self.output = name, vendors or [], grace_s, output
         self._signal: int | None = None
         self._ranks: list[_Rank] = []
 
@@ -138,6 +142,9 @@ class RankSupervisor:
         try:
             for attempt in range(self.max_restarts + 1):
                 outcome = self._attempt(attempt, store.port, root / f"attempt{attempt}")
+                if self.output is not None:  # every line the ranks wrote, and why a hidden one failed, come first
+                    self.output.finish([rk.rank for rk in self._ranks if rk.code not in (None, 0)
+                                        and not rk.stopped_by_us])
                 if outcome.restartable and attempt < self.max_restarts and self._signal is None:
                     _log.warning("%s: %s; restarting all %d ranks (restart %d of %d).", self.name,
                                  outcome.lines[0].rstrip("."), self.nproc, attempt + 1, self.max_restarts)
@@ -163,7 +170,10 @@ class RankSupervisor:
         self._ranks = []
         for r in range(self.nproc):
             env = dict(base, RANK=str(r), LOCAL_RANK=str(r), ROLE_RANK=str(r))
-            proc = subprocess.Popen(self.cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)
+            pipes = self.output.popen_kwargs() if self.output is not None else {}
+            proc = subprocess.Popen(self.cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent, **pipes)
+            if self.output is not None:
+                self.output.attach(r, proc)
             self._ranks.append(_Rank(r, self.vendors[r] if r < len(self.vendors) else "", proc))
         ranks = self._ranks
         deadline: float | None = None

@@ -15,6 +15,9 @@ SIM_NATIVE = "bimetal_sim_native"
 """The native back-end under simulation (Gloo that refuses a group mixing vendors, like NCCL/RCCL)."""
 HOST_COPY = "bimetal_host_copy"
 """Reference boundary of the GPU ladder: copy to host, stock Gloo, copy back (``bimetal.comm.reference``)."""
+PER_HOP = "bimetal_per_hop"
+"""A pipeline group that routes each send and receive to the group of its pair of ranks: native inside a vendor,
+a transport across (``bimetal.comm.per_hop``); built by ``bimetal.parallel.pipeline_groups``, never chosen by name."""
 IDEAL = "bimetal_ideal"
 """Reference boundary of the GPU ladder: the schedule's order kept, no payload moved (``bimetal.comm.reference``).
 Neither is in ``TABLE``: they measure transports, nobody trains on them."""

@@ -208,3 +208,23 @@ def test_help_lists_every_config_key(capsys: pytest.CaptureFixture[str]) -> None
     sections, keys = config_keys()
     assert set(sections) == {f.name for f in dataclasses.fields(TrainConfig)} and all(sections.values())
     assert [k for k in keys if not k.doc] == []  # every key says what it means
+
+
+def test_dry_run_prices_each_hop_on_its_own_link(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """pp=4 on two nodes of each vendor: the dry-run's hops are the planner's, native inside an island."""
+    spec = tmp_path / "four.toml"
+    spec.write_text((ROOT / "configs/clusters/h100_mi300x.toml").read_text().replace("count = 1", "count = 2"))
+    layout = [f"--parallel.cluster={spec}", "--parallel.pp=4", "--parallel.layers_per_stage=[8,8,8,8]",
+              "--parallel.dp=4", "--parallel.dp_shard=4", "--parallel.tp=2"]
+    config = str(ROOT / "configs/llama3-8b-h100-mi300x.toml")
+    bimetal_main(["train", "--config", config, *layout, "--dry-run", "--json"])
+    hops = json.loads(capsys.readouterr().out)["hops"]
+    assert [(h["stages"], h["groups"], h["link"]) for h in hops] == [
+        ([0, 1], ["h100", "h100"], "native (between nodes)"), ([1, 2], ["h100", "mi300x"], "device-direct"),
+        ([2, 3], ["mi300x", "mi300x"], "native (between nodes)")]
+    cfg = load_config(config, layout)
+    plan = evaluate(load_spec(spec), "llama3-8b", cfg.data.seq_len, cfg.data.batch_size * 4, 4, 4, 2,
+                    cfg.data.batch_size // cfg.parallel.microbatches, "device-direct", split=[8, 8, 8, 8], dp_shard=4)
+    assert plan is not None and [h["seconds"] for h in hops] == [h.seconds for h in plan.hops]
+    bimetal_main(["train", "--config", config, *layout, "--parallel.pp_transport=cpu-forward", "--dry-run"])
+    assert "hop 1->2 h100->mi300x: cpu-forward" in capsys.readouterr().out

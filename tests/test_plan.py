@@ -192,3 +192,34 @@ def test_text_table_and_explain(capsys: pytest.CaptureFixture[str]) -> None:
     assert "tok/s" in text and "pipeline bubble" in text and "dp all-reduce" in text
     with pytest.raises(UserError, match="unknown model flavour"):
         main([spec, "--model", "gpt5"])
+
+
+def test_each_pipeline_hop_is_priced_on_its_own_link(capsys: pytest.CaptureFixture[str]) -> None:
+    """pp=4 over two nodes of each vendor: the hops inside an island go over the vendor's library between nodes
+    (RDMA at line rate), only the hop between the islands over the transport; a stage pays for its own hops only."""
+    from bimetal.plan import hostpath
+
+    spec = parse_spec({"group": [{"vendor": v, "gpu": gpu, "name": n, "count": 2, "gpus_per_node": 8,
+                                  "nics_per_node": 8, "nic_gbps": 400, "intra_gbps": 400, "gpudirect": True}
+                                 for v, gpu, n in (("nvidia", "H200", "nv"), ("amd", "MI325X", "amd"))]}, "four.toml")
+    p = evaluate(spec, "llama3-8b", 8192, 256, pp=4, dp=8, tp=1, micro_batch=1, transport="cpu-forward")
+    assert p is not None
+    assert [(h.stages, h.link, h.cross_vendor) for h in p.hops] == [
+        ((0, 1), "native (between nodes)", False), ((1, 2), "cpu-forward", True),
+        ((2, 3), "native (between nodes)", False)]
+    nv, amd = spec.groups
+    act = 8192 * 4096 * 2  # one bf16 activation of a 1 x 8192 microbatch
+    assert p.hops[0].seconds == hostpath.pair_transfer_seconds(act, "device-direct", nv, nv, "per-gpu", 8)
+    assert p.hops[1].seconds == hostpath.pair_transfer_seconds(act, "cpu-forward", nv, amd, "per-gpu", 8)
+    assert p.hops[1].seconds > 10 * p.hops[0].seconds  # TCP and host copies against RDMA
+    assert p.stage_comm[0] == 2 * p.hops[0].seconds and p.stage_comm[3] == 2 * p.hops[2].seconds
+    assert p.stage_comm[1] == 2 * (p.hops[0].seconds + p.hops[1].seconds)
+    # two stages per node: the hop inside a node takes the node's GPU fabric
+    same = evaluate(spec, "llama3-8b", 8192, 256, pp=8, dp=4, tp=1, micro_batch=1, transport="device-direct")
+    assert same is not None and same.hops[0].link == "native (node fabric)"
+    assert same.hops[0].seconds == act / (400 * 1e9) and same.hops[3].link == "device-direct"
+    # the ladder's all-Gloo rung: hops inside an island on stock Gloo too
+    gloo = evaluate(spec, "llama3-8b", 8192, 256, 4, 8, 1, 1, "gloo", homogeneous="gloo")
+    assert gloo is not None and [h.link for h in gloo.hops] == ["gloo"] * 3
+    main([str(ROOT / "configs/clusters/h100_mi300x.toml"), "--pp", "2", "--dp", "8", "--tp", "1"])
+    assert "hop 0->1 h100->mi300x: cpu-forward" in capsys.readouterr().out

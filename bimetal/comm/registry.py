@@ -8,6 +8,8 @@
   held to one NIC while the transports under test use them all. With ``BIMETAL_SIMULATE_DEVICE=cuda`` (simulated
   vendors sharing one GPU) it is cpu-forward's staged path on that same NIC (``StagedNativeGroup``), so that
   FSDP, tensor parallelism and the hierarchical all-reduce run on device tensors, which Gloo refuses;
+* ``bimetal_per_hop``: a pipeline group that sends and receives over the group of each pair of ranks
+  (``bimetal.comm.per_hop``; made by ``bimetal.parallel.pipeline_groups`` with its routes as ``pg_options``);
 * ``bimetal_host_copy`` and ``bimetal_ideal``: the reference boundaries of ``bimetal bench gpu-ladder``
   (``bimetal.comm.reference``): copy to host + stock Gloo, and a link that keeps the schedule but moves no bytes.
 
@@ -27,9 +29,9 @@ import torch.distributed as dist
 from bimetal import env
 from bimetal.errors import UserError
 from bimetal.topology import store_exchange
-from bimetal.transports import CPU_FORWARD, DEVICE_DIRECT, HOST_COPY, IDEAL, SIM_NATIVE, TABLE
+from bimetal.transports import CPU_FORWARD, DEVICE_DIRECT, HOST_COPY, IDEAL, PER_HOP, SIM_NATIVE, TABLE
 
-__all__ = ["CPU_FORWARD", "DEVICE_DIRECT", "HOST_COPY", "IDEAL", "SIM_NATIVE", "register_backends",
+__all__ = ["CPU_FORWARD", "DEVICE_DIRECT", "HOST_COPY", "IDEAL", "PER_HOP", "SIM_NATIVE", "register_backends",
            "staged_native"]
 
 
@@ -123,6 +125,12 @@ def staged_native() -> bool:
     return env.read("BIMETAL_SIMULATE_DEVICE") == "cuda"
 
 
+def _create_per_hop(dist_backend_opts: Any, pg_options: Any):
+    from bimetal.comm import per_hop
+
+    return per_hop.create_process_group(dist_backend_opts, pg_options)
+
+
 def _reference_creator(name: str):
     def create(dist_backend_opts: Any, pg_options: Any):
         from bimetal.comm import reference
@@ -143,6 +151,7 @@ def register_backends() -> None:
     for name in _TRANSPORT_MODULES:
         dist.Backend.register_backend(name, _transport_creator(name), extended_api=True, devices=["cpu", "cuda"])
     dist.Backend.register_backend(SIM_NATIVE, _create_sim_native, extended_api=True, devices=["cpu"])
+    dist.Backend.register_backend(PER_HOP, _create_per_hop, extended_api=True, devices=["cpu", "cuda"])
     for name, creator in ((HOST_COPY, "create_host_copy"), (IDEAL, "create_ideal")):
         dist.Backend.register_backend(name, _reference_creator(creator), extended_api=True, devices=["cpu", "cuda"])
     _registered = True

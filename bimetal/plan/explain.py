@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from bimetal.plan.hops import format_hops
 from bimetal.plan.search import Plan
 
 
@@ -25,6 +26,8 @@ def explain(p: Plan, single_vendor_best: dict[str, float]) -> str:
              f"micro_batch={p.micro_batch} microbatches={p.microbatches} transport={p.transport} split={p.layer_split}"]
     for k, v in breakdown(p).items():
         lines.append(f"  {k:<48} {v * 1e3:10.1f} ms")
+    if p.hops:
+        lines += ["  pipeline hops, each on its own link:", *format_hops(p.hops, p.microbatches)]
     for vendor, tps in single_vendor_best.items():
         if tps > p.tokens_per_s:
             lines.append(f"WARNING: an all-{vendor} cluster of the same size is predicted faster "

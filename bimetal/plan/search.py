@@ -9,7 +9,8 @@ activation checkpointing (selective every 2nd block, or full): recomputation add
 and backward time of the recomputed blocks, FSDP an all-gather of the stage's bf16 weights in the forward
 and again in the backward of every microbatch (exposed where longer than the compute it overlaps) and a
 reduce-scatter in place of the all-reduce. Boundary transfers (an activation and a gradient per microbatch
-and neighbour) are priced by ``bimetal.plan.hostpath``; the search tries cpu-forward and device-direct,
+and neighbour) are priced hop by hop on each hop's own link (``bimetal.plan.hops``: the vendor library inside an
+island, the transport between islands), with ``bimetal.plan.hostpath``; the search tries cpu-forward and device-direct,
 ``evaluate`` also prices stock Gloo on the cross-vendor groups and on the one-vendor ones (the ladder).
 """
 
@@ -19,6 +20,7 @@ import functools
 from dataclasses import dataclass, field, replace
 
 from bimetal.plan import cost, hostpath
+from bimetal.plan.hops import HopCost, hop_costs, usable
 from bimetal.plan.spec import ClusterSpec, NodeGroup
 from bimetal.transports import BIMETAL
 
@@ -63,6 +65,8 @@ class Plan:
     """Back-end of one-vendor groups: ``native`` (NCCL/RCCL) or ``gloo`` (with gloo transports: all Gloo)."""
     nics: str = "per-gpu"
     """NICs a boundary pair's TCP or RDMA traffic uses: ``shared``, ``per-gpu`` or ``striped``."""
+    hops: list[HopCost] = field(default_factory=list)
+    """Each pipeline hop on its own link (``bimetal.plan.hops``): native inside an island, the transport across."""
 
     @property
     def gpus(self) -> int:
@@ -157,26 +161,15 @@ def evaluate(spec: ClusterSpec, model: str, seq: int, global_batch: int, pp: int
                 nics=nics)
     bsize = 2 if bf16 and boundary == "compute" else 4
     act = cost.activation_bytes(micro_batch, seq, m.dim, bsize) / tp
+    plan.hops = hop_costs(stage_groups, width, act, transport, homogeneous, nics)
     for j, g in enumerate(stage_groups):
         compute = _stage_time(m, g, layers[j], j == pp - 1, tp, tokens, seq)
         ckpt = cost.checkpointed_blocks(layers[j], ac, plan.ac_every)
         compute += _stage_time(m, g, ckpt, False, tp, tokens, seq) / 3  # recompute: one more forward
         plan.stage_compute.append(compute)
         comm = _fsdp_gather_seconds(m, g, plan, j, compute)
-        for nb in (j - 1, j + 1):  # per microbatch and neighbour: an activation and a gradient, one each way
-            if 0 <= nb < pp:
-                other = stage_groups[nb]
-                # Neighbouring stages of one group share a node unless the boundary falls on a node edge.
-                same_node = (other is g and width < g.gpus_per_node
-                             and (min(j, nb) + 1) * width % g.gpus_per_node != 0)
-                pairs = min(width, g.gpus_per_node, other.gpus_per_node)
-                if other.vendor == g.vendor and homogeneous == "gloo":
-                    comm += 2 * hostpath.pair_transfer_seconds(act, "gloo", g, other, nics, pairs)
-                elif same_node:
-                    comm += 2 * act / (g.intra_gbps * 1e9)
-                else:
-                    tr = transport if other.vendor != g.vendor else "device-direct"
-                    comm += 2 * hostpath.pair_transfer_seconds(act, _usable(tr, g, other), g, other, nics, pairs)
+        # per microbatch and neighbour: an activation and a gradient, one each way, each hop on its own link
+        comm += sum(2 * h.seconds for h in plan.hops if j in h.stages)
         plan.stage_comm.append(comm)
         in_flight = min(mbs, pp - j)
         mem = cost.stage_memory_bytes(m, layers[j], j == 0, j == pp - 1, tp, micro_batch, seq, in_flight,
@@ -199,11 +192,6 @@ def evaluate(spec: ClusterSpec, model: str, seq: int, global_batch: int, pp: int
     plan.tflops_per_gpu = plan.tokens_per_s * cost.flops_per_token(m, seq) / plan.gpus / 1e12
     plan.bottleneck = _bottleneck(plan)
     return plan
-
-
-def _usable(transport: str, a: NodeGroup, b: NodeGroup) -> str:
-    """device-direct needs GPUDirect RDMA on both ends; otherwise the pair falls back to cpu-forward."""
-    return "cpu-forward" if transport == "device-direct" and not (a.gpudirect and b.gpudirect) else transport
 
 
 def _stage_params(m: cost.ModelDims, plan: Plan, j: int) -> int:
@@ -251,7 +239,7 @@ def _dp_allreduce(spec: ClusterSpec, m: cost.ModelDims, plan: Plan, groups: list
         a, b = spec.groups[0], spec.groups[1]
         cross_bytes = nbytes / local * 2 * (len(spec.groups) - 1) / len(spec.groups)
         pairs = min(a.gpus_per_node, b.gpus_per_node, local)
-        tr = _usable(plan.dp_transport, a, b)
+        tr = usable(plan.dp_transport, a, b)
         return inner + hostpath.pair_transfer_seconds(cross_bytes, tr, a, b, plan.nics, pairs)
     worst = 0.0
     for j, g in enumerate(groups):

@@ -23,6 +23,7 @@ from typing import Any
 from bimetal.errors import UserError
 from bimetal.plan import cost
 from bimetal.plan.explain import breakdown
+from bimetal.plan.hops import format_hops
 from bimetal.plan.search import AC_MODES, Plan, evaluate, search, shard_degrees
 from bimetal.plan.spec import ClusterSpec
 
@@ -129,6 +130,8 @@ def show_plan(spec: ClusterSpec, p: Plan, global_batch: int) -> str:
            f"ac={p.ac} micro_batch={p.micro_batch} microbatches={p.microbatches} split={p.layer_split}",
            f"  transports: pp {p.transport}, dp {p.dp_transport}, one-vendor groups {p.homogeneous}, NICs {p.nics}"]
     out += [f"  {k:<48} {v * 1e3:10.1f} ms" for k, v in breakdown(p).items()]
+    if p.hops:
+        out += ["  pipeline hops, each on its own link:", *format_hops(p.hops, p.microbatches)]
     mem = ", ".join(f"{m / 1e9:.0f}" for m in p.memory)
     out.append(f"  memory per GPU by stage: {mem} GB" + (f"  REJECTED: {p.rejected}" if p.rejected else ""))
     ratio = f" ({p.tflops_per_gpu / top:.2f} x the faster one-node baseline)" if top else ""

@@ -18,6 +18,7 @@ from typing import Any
 
 from bimetal.config import TrainConfig
 from bimetal.errors import UserError
+from bimetal.plan.hops import HopCost, format_hops, hop_costs
 from bimetal.plan.search import MEMORY_RESERVE
 
 
@@ -145,6 +146,30 @@ def stage_memory(cfg: TrainConfig, stage: int, device: tuple[str, int] = ("unkno
                        in_flight * act, transient, in_flight * m.output if p.pp > 1 else 0)
 
 
+def hop_report(cfg: TrainConfig) -> list[HopCost]:
+    """Each pipeline boundary's hops on ``parallel.cluster`` (its distinct links), priced; [] without a cluster
+    spec or a pipeline. Stages take the spec's GPUs in file order, as ``stage_devices``."""
+    from bimetal import models
+    from bimetal.plan.spec import load_spec
+
+    p = cfg.parallel
+    if p.pp < 2 or not p.cluster:
+        return []
+    spec = load_spec(p.cluster)
+    owner = [g for g in spec.groups for _ in range(g.gpus)]
+    width = p.dp * p.tp
+    args = models.FLAVOURS[cfg.model.family][cfg.model.flavour]
+    nbytes = cfg.data.batch_size // p.microbatches * cfg.data.seq_len * args.dim * boundary_size(cfg) / p.tp
+    seen: dict[tuple[Any, ...], HopCost] = {}
+    for i in range(width):  # the pp group of position i: the i-th GPU of every stage
+        for h in hop_costs([owner[j * width + i] for j in range(p.pp)], width, nbytes, p.pp_transport,
+                           p.homogeneous_backend):
+            key = (h.stages, h.groups, h.link)
+            if key not in seen or h.seconds > seen[key].seconds:
+                seen[key] = h
+    return sorted(seen.values(), key=lambda h: h.stages)
+
+
 def report(cfg: TrainConfig) -> list[StageMemory]:
     """Every stage of ``cfg`` against its device."""
     devices = stage_devices(cfg)
@@ -190,12 +215,16 @@ def dry_run(cfg: TrainConfig, as_json: bool = False, local: bool = True) -> int:
     known), 1 when one does not. ``local``: its ranks would run here, so the files they read and write were
     checked too (else the report says they are left to the ranks)."""
     stages = report(cfg)
+    hops = hop_report(cfg) if len(stages) == cfg.parallel.pp else []
     if as_json:
         out: dict[str, Any] = {"reserve": MEMORY_RESERVE, "files_checked": local, "stages": [
-            asdict(s) | {"total": s.total, "fits": s.fits} for s in stages]}
+            asdict(s) | {"total": s.total, "fits": s.fits} for s in stages], "hops": [asdict(h) for h in hops]}
         print(json.dumps(out, indent=1))
     else:
         print(format_report(cfg, stages))
+        if hops:
+            print(f"pipeline hops on {cfg.parallel.cluster}, each on its own link (per step: an activation and its "
+                  "gradient per microbatch):\n" + "\n".join(format_hops(hops, cfg.parallel.microbatches)))
         if not local:
             print(f"a torchrun job of {cfg.parallel.pp * cfg.parallel.dp * cfg.parallel.tp} ranks: its data, tokenizer "
                   "and output folders are checked by each rank on its node at start-up, not here")

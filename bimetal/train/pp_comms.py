@@ -35,6 +35,11 @@ def _op_bytes(ops: list[dist.P2POp]) -> int:
     return sum(op.tensor.numel() * op.tensor.element_size() for op in ops)
 
 
+def _count_by_peer(counts: dict[int, int], ops: list[dist.P2POp]) -> None:
+    for op in ops:
+        counts[op.peer] = counts.get(op.peer, 0) + op.tensor.numel() * op.tensor.element_size()
+
+
 class MeteredStage(PipelineStage):
     """A ``PipelineStage`` that counts transferred bytes and its own compute seconds."""
 
@@ -42,6 +47,8 @@ class MeteredStage(PipelineStage):
         super().__init__(*args, **kwargs)
         self.sent_bytes = 0
         self.recv_bytes = 0
+        self.sent_to: dict[int, int] = {}
+        """Bytes sent per peer (global rank): the cross-vendor share where the pairs' groups keep no counters."""
         self.compute_s = 0.0
         self.fsdp_held: dict[str, int] | None = None
         """Under FSDP: what it held unsharded just before the first step's last backward (``memory-rank<R>.json``)."""
@@ -60,15 +67,18 @@ class MeteredStage(PipelineStage):
 
     def reset_counters(self) -> None:
         self.sent_bytes, self.recv_bytes, self.compute_s = 0, 0, 0.0
+        self.sent_to = {}
 
     def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
         ops = super().get_fwd_send_ops(fwd_chunk_id)
         self.sent_bytes += _op_bytes(ops)
+        _count_by_peer(self.sent_to, ops)
         return ops
 
     def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
         ops = super().get_bwd_send_ops(bwd_chunk_id)
         self.sent_bytes += _op_bytes(ops)
+        _count_by_peer(self.sent_to, ops)
         return ops
 
     def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:

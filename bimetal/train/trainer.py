@@ -33,6 +33,7 @@ from bimetal.supervisor import report_step
 from bimetal.topology.local_device import bind_rank_device
 from bimetal.train import checkpoint
 from bimetal.train.ckpt_files import run_meta
+from bimetal.train.comm_report import pipeline_transport, write_comm_report
 from bimetal.train.console import StepConsole
 from bimetal.train.data import TokenStream, load_tokens
 from bimetal.train.export import export_model
@@ -98,32 +99,45 @@ def _model_args(cfg: TrainConfig) -> Any:
 class _XvendorMeter:
     """Cross-vendor communication per step, summed over the job.
 
-    Counted: the pp group when it is mixed, and the gradient exchange when the dp group spans vendors.
-    pp bytes come from the transport's own counters when the pp group is a bimetal transport (its sends:
-    activations and gradients), else from the pipeline's send ops; dp bytes are the payload each rank hands
-    to the cross-vendor all-reduce (what the wire carries depends on the transport's algorithm). Time is
-    this rank's schedule time minus its stage compute (waits for the peer included), plus the time of a
-    vendor-spanning gradient average. Under HSDP with a vendor-spanning replicate dimension the dp bytes are
-    the gradient shard each rank all-reduces; that all-reduce runs inside the backward, so its time is not
-    separated out.
+    Counted: what this rank sends to a pipeline neighbour of the other vendor (the hops that cross vendors: a
+    hop inside a vendor is not counted, whatever group carries it), and the gradient exchange when the dp group
+    spans vendors. pp bytes come from the transport's own counters of the crossing hops when they have them (a
+    per-hop pipeline's cross-vendor pairs, ``PerHopGroup.cross_vendor_counters``; a pipeline that is one
+    transport group, every hop of which crosses), else from the pipeline's send ops to those neighbours; dp
+    bytes are the payload each rank hands to the cross-vendor all-reduce (what the wire carries depends on the
+    transport's algorithm). Time is this rank's schedule time minus its stage compute (waits for the peer
+    included) when it has a crossing hop, plus the time of a vendor-spanning gradient average. Under HSDP with
+    a vendor-spanning replicate dimension the dp bytes are the gradient shard each rank all-reduces; that
+    all-reduce runs inside the backward, so its time is not separated out.
     """
 
     def __init__(self, ctx: Any, runner: PipelineRunner | None) -> None:
         name = ctx.my_group_name("pp") if ctx else None
+        # the same on every rank (read() all-reduces): whether the pipelines span vendors at all
         self.pp = runner is not None and name is not None and ctx.spec(name).kind == "cross-vendor"
         self.dp = bool(ctx) and ctx.dp_size > 1 and ctx.dp_spans_vendors
         self.active = self.pp or self.dp
         self.runner, self.ctx = runner, ctx
-        self.counters = getattr(ctx.pp_group, "counters", None) if self.pp else None
+        self.peers = _cross_vendor_neighbours(ctx, name) if self.pp and name else set()
+        self.counters: list[Any] | None = None
+        if self.pp:
+            pg = ctx.pp_group
+            if hasattr(pg, "cross_vendor_counters"):
+                self.counters = pg.cross_vendor_counters()
+            elif getattr(pg, "counters", None) is not None:
+                self.counters = [pg.counters]
         parts = (["pp: " + ("transport counters" if self.counters is not None else "pipeline send ops")]
-                 if self.pp else []) + (["dp: all-reduce payload"] if self.dp else [])
+                 if self.pp else []) + (
+            ["dp: all-reduce payload"] if self.dp else [])
         self.source = "; ".join(parts) or "none"
         self._last = self._sent()
 
     def _sent(self) -> int:
         if self.counters is not None:
-            return int(self.counters.snapshot()["bytes_sent"])
-        return self.runner.pipe_stage.sent_bytes if self.runner is not None and self.pp else 0
+            return sum(int(c.snapshot()["bytes_sent"]) for c in self.counters)
+        if self.runner is None or not self.pp:
+            return 0
+        return sum(n for peer, n in self.runner.pipe_stage.sent_to.items() if peer in self.peers)
 
     def read(self, schedule_s: float, dp_s: float, dp_bytes: int) -> tuple[float, int]:
         """(seconds, bytes) of the last step: this rank's cross-vendor time, and the bytes every rank sent."""
@@ -134,13 +148,21 @@ class _XvendorMeter:
         busy = dp_s if self.dp else 0.0
         if self.runner is not None:
             st = self.runner.pipe_stage
-            busy += max(0.0, schedule_s - st.compute_s) if self.pp else 0.0
+            busy += max(0.0, schedule_s - st.compute_s) if self.peers else 0.0
             st.reset_counters()
             if self.counters is None:
                 self._last = 0
         local = torch.tensor([float(sent + (dp_bytes if self.dp else 0)), busy], dtype=torch.float64)
         dist.all_reduce(local)  # world (Gloo, CPU): bytes summed over ranks; time as the mean per rank
         return float(local[1]) / self.ctx.world_size, int(local[0])
+
+
+def _cross_vendor_neighbours(ctx: Any, pp_name: str) -> set[int]:
+    """This rank's neighbouring stages (global ranks) in its pipeline that run on another vendor."""
+    ranks = ctx.spec(pp_name).ranks  # in stage order
+    s = ranks.index(ctx.rank)
+    return {ranks[j] for j in (s - 1, s + 1)
+            if 0 <= j < len(ranks) and ctx.view.vendor_of(ranks[j]) != ctx.vendor}
 
 
 def _write_memory(run_dir: str, rank: int, sizes: dict[str, int]) -> None:
@@ -374,10 +396,11 @@ def _run(cfg: TrainConfig, ctx: Any, smesh: Any, models: Any, args: Any, split: 
     if cfg.checkpoint.export_hf:
         export_model(model, family, args, split, ctx, cfg.checkpoint.export_hf, cfg.checkpoint.export_shard_bytes)
     # the transports as built (a device-direct group that fell back reports cpu-forward and why)
-    transport = ctx.built_backend(pp_name) if runner is not None else "none"
+    transport, fallback = pipeline_transport(ctx, pp_name) if runner is not None and pp_name else ("none", "")
     dp_x = "none"
     if meter.dp:
         dp_x = ctx.built_backend(dp_name) + (" (hierarchical)" if ctx.hierarchical else " (flat)")
-    summary = metrics.summary(transport, meter.source if meter.active else "none", dp_x,
-                              fallback=ctx.fallbacks.get(pp_name or "", "") if ctx else "")
+    if ctx is not None:
+        write_comm_report(cfg.metrics.run_dir, ctx)
+    summary = metrics.summary(transport, meter.source if meter.active else "none", dp_x, fallback=fallback)
     return summary

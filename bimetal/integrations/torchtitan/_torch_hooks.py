@@ -5,7 +5,10 @@ torchtitan 0.3.0 builds its mesh inside ``ParallelDims.build_mesh`` with ``Devic
 dimension would get the world group's back-end. ``DeviceMesh._init_one_process_group`` is the single
 function both paths call for each dimension, with the dimension's name and rank layout: while
 ``build_mesh`` runs, it is wrapped so that a dimension torchtitan left without an override gets the
-back-end ``MeshBackends.choose`` picks from the dimension's real groups (the fake ones stay fake).
+back-end ``MeshBackends.choose`` picks from the dimension's real groups (the fake ones stay fake). A ``pp``
+dimension whose pipelines span vendors is made by bimetal itself (``MeshBackends.per_hop``: a
+``bimetal_per_hop`` group per pipeline, with its pairs' groups and its collectives group): the hook creates them
+and returns this rank's pipeline group, as the function would.
 
 Checked against torch 2.13.0 and torchtitan 0.3.0; with another torch the hook refuses to run rather than
 guess (``CHECKED_TORCH``).
@@ -49,6 +52,9 @@ def mesh_backends(chooser: MeshBackends) -> Iterator[None]:
         if dim_name != WORLD_DIM and tuple(backend_override) == (None, None):
             rows = _MeshLayout([sub_layout]).remap_to_tensor(rank_map).tolist()
             groups = [tuple(int(r) for r in row) for row in rows]
+            per_hop = chooser.per_hop(groups) if dim_name == "pp" else []
+            if per_hop:
+                return _create_pipelines(chooser, per_hop)
             backend = chooser.choose(dim_name, groups)
             chooser.record(dim_name, groups, backend)
             backend_override = (backend, None)
@@ -59,3 +65,19 @@ def mesh_backends(chooser: MeshBackends) -> Iterator[None]:
         yield
     finally:
         DeviceMesh._init_one_process_group = original  # type: ignore[method-assign]
+
+
+def _create_pipelines(chooser: MeshBackends, specs: list[Any]) -> str | None:
+    """Create every pipeline's groups (all ranks, same order) and return this rank's pp group name."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from bimetal.parallel.groups import create_groups
+
+    made = create_groups(specs, timedelta(seconds=chooser.timeout_s))
+    chooser.record_specs(specs)
+    me = dist.get_rank()
+    mine = next((s.name for s in specs if s.axis == "pp" and me in s.ranks), None)
+    pg = made.get(mine) if mine else None
+    return pg.group_name if pg is not None else None

@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
                                     "<dump_folder>/bimetal_assets)")
     p.add_argument("--cluster", help="cluster spec the job is laid out on (`bimetal slurm --titan` passes it): under "
                                      "srun each rank checks Slurm's allocation against it before training")
+    p.add_argument("--local-ranks-filter", default="0",
+                   help="with --simulate: the ranks whose output is shown, each line prefixed [rank<R>]: (torchrun's "
+                        "option, as torchtitan's launch script sets it; default 0, e.g. 0,3)")
     return p
 
 
@@ -237,12 +240,14 @@ def _launch_simulated(opts: argparse.Namespace, titan_args: list[str], split: li
     from bimetal.integrations.torchtitan import cpu_support
     from bimetal.integrations.torchtitan.mesh import preflight
     from bimetal.launch import launch
+    from bimetal.rank_output import RankOutput, parse_filter
     from bimetal.topology.vendor import parse_simulate
 
     try:
         vendors = parse_simulate(opts.simulate)
     except ValueError as exc:
         raise UserError(str(exc)) from None
+    output = RankOutput(parse_filter(opts.local_ranks_filter, len(vendors)))
     assets = Path(opts.assets or Path(_dump_folder(titan_args)) / "bimetal_assets")
     check_folder("--assets" if opts.assets else "--assets (default <dump_folder>/bimetal_assets)", assets)
     cpu_support.install(_module_name(titan_args))
@@ -271,7 +276,7 @@ def _launch_simulated(opts: argparse.Namespace, titan_args: list[str], split: li
         rank_argv.append(f"--layers-per-stage={','.join(map(str, split))}")
     if opts.all_gloo:
         rank_argv.append("--all-gloo")
-    code = launch(rank_argv + titan_args, simulate=opts.simulate,
+    code = launch(rank_argv + titan_args, simulate=opts.simulate, name="bimetal titan", output=output,
                   extra_env={"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
     return code
 
@@ -320,5 +325,8 @@ def rank_main() -> int:
         gc.collect()  # join Gloo's worker threads now, not in interpreter shutdown (see bimetal.entry.run_command)
         return status
     except UserError as exc:
-        print(f"bimetal titan: {exc}", file=sys.stderr, flush=True)
+        from bimetal.supervisor import report_outcome
+
+        if not report_outcome(2, str(exc)):  # a rank of bimetal's launcher leaves the sentence to it
+            print(f"bimetal titan: {exc}", file=sys.stderr, flush=True)
         return 2

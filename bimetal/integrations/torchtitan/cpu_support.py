@@ -6,11 +6,11 @@ Each stand-in replaces something torchtitan needs and a CPU-only torch 2.13 does
 * **Triton**: absent on CPU; torchtitan imports its kernels at import time (see ``_no_triton``).
 * **device type**: torchtitan falls back to device type ``"cuda"`` when no accelerator is visible; the
   stand-in makes its device helpers answer ``"cpu"`` and a device module (``torch.cpu`` plus the memory
-  calls its metrics make).
+  calls its metrics make: the step line's memory is the rank process's peak resident memory since the
+  previous step line, not the ``-0.00GiB`` an empty answer gives).
 * **CUDA graphs**: none on CPU; ``bimetal titan --simulate`` adds ``--training.disable_cuda_graphs``.
-* **attention**: FlexAttention has no backward on CPU; ``SdpaDocumentAttention`` computes the same
-  causal, document-masked attention (the varlen contract: ``cu_seqlens`` over packed documents) with
-  ``scaled_dot_product_attention`` and a dense mask.
+* **attention**: FlexAttention has no backward on CPU; ``cpu_attention.SdpaDocumentAttention`` computes the
+  same causal, document-masked attention with ``scaled_dot_product_attention`` and a dense mask.
 * **assets**: the tokenizer and the ``c4_test`` dataset live in torchtitan's source tree, not its wheel;
   ``write_assets`` generates a small byte-level BPE tokenizer and a JSON dataset from the Shakespeare text
   bimetal ships.
@@ -31,12 +31,10 @@ import os
 import sys
 import types
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 _installed = False
 
@@ -152,43 +150,37 @@ def _cpu_device_module() -> types.ModuleType:
     props = types.SimpleNamespace(name="cpu", total_memory=psutil.virtual_memory().total)
     module.get_device_name = lambda device=None: "cpu"  # type: ignore[attr-defined]
     module.get_device_properties = lambda device=None: props  # type: ignore[attr-defined]
-    module.memory_stats = lambda device=None: {}  # type: ignore[attr-defined]
-    module.reset_peak_memory_stats = lambda device=None: None  # type: ignore[attr-defined]
+    module.memory_stats = lambda device=None: _process_memory_stats()  # type: ignore[attr-defined]
+    module.reset_peak_memory_stats = lambda device=None: _reset_peak_rss()  # type: ignore[attr-defined]
     module.empty_cache = lambda: None  # type: ignore[attr-defined]
     return module
 
 
+def _process_memory_stats() -> dict[str, int]:
+    """The step line's memory figures on CPU: this rank process's peak resident memory since the last reset
+    (Linux ``VmHWM``), as both the "active" and the "reserved" peak; {} where the kernel does not say (torchtitan
+    then prints its -1 placeholder)."""
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        return {}
+    peak = next((int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmHWM:")), None)
+    if peak is None:
+        return {}
+    return {"active_bytes.all.peak": peak, "reserved_bytes.all.peak": peak, "num_alloc_retries": 0, "num_ooms": 0}
+
+
+def _reset_peak_rss() -> None:
+    """Start a new peak (torchtitan resets after each step line): writing 5 to ``clear_refs`` sets ``VmHWM`` to the
+    current resident size (Linux >= 4.0); where that is refused the peak runs from the process's start."""
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")
+
+
 def sdpa_attention_config() -> Any:
-    """The config of the SDPA stand-in for torchtitan's inner attention."""
-    from torchtitan.models.common.attention import VarlenAttention, VarlenMetadata
-
-    class SdpaDocumentAttention(VarlenAttention):
-        """Causal attention within each packed document, on CPU, through SDPA (stand-in for flex/varlen)."""
-
-        @dataclass(kw_only=True, slots=True)
-        class Config(VarlenAttention.Config):
-            pass
-
-        def __init__(self, config: Any) -> None:
-            torch.nn.Module.__init__(self)
-
-        def forward(self, q_BLNH: torch.Tensor, k_BLNH: torch.Tensor, v_BLNH: torch.Tensor, *,
-                    attention_masks: VarlenMetadata, scale: float | None = None,
-                    out_transform: Any = None, **kwargs: Any) -> torch.Tensor:
-            if out_transform is not None:
-                raise NotImplementedError("the CPU attention stand-in does not return the log-sum-exp")
-            q, k, v = (t.transpose(1, 2) for t in (q_BLNH, k_BLNH, v_BLNH))
-            B, L = q_BLNH.shape[0], q_BLNH.shape[1]
-            starts = torch.zeros(B * L, dtype=torch.long)
-            starts[attention_masks.cu_seq_q[:-1].long()] = 1
-            doc = torch.cumsum(starts, 0).view(B, L)
-            pos = torch.arange(L)
-            mask = (doc[:, :, None] == doc[:, None, :]) & (pos[:, None] >= pos[None, :])
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask[:, None],
-                scale=scale, enable_gqa=bool(kwargs.get("enable_gqa", False)),
-            )
-            return out.transpose(1, 2)
+    """The config of the SDPA stand-in for torchtitan's inner attention (``cpu_attention``: one class, defined
+    once, so ``torch.compile`` sees the same module class in every layer)."""
+    from bimetal.integrations.torchtitan.cpu_attention import SdpaDocumentAttention
 
     return SdpaDocumentAttention.Config()
 

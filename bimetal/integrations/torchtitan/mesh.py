@@ -5,7 +5,10 @@ torchtitan builds one "world" mesh and unflattens it into named dimensions (``pp
 
 * all groups of the dimension vendor-homogeneous -> the native back-end (``nccl``; ``bimetal_sim_native``
   under simulation, which refuses mixed vendors as NCCL/RCCL would);
-* ``pp`` groups that span vendors -> the cross-vendor transport chosen (cpu-forward or device-direct);
+* ``pp`` groups that span vendors -> per hop (``parallel.groups.plan_pipeline``): each pair of ranks holding
+  consecutive stages gets the back-end of its own kind, native inside a vendor and the cross-vendor transport
+  chosen (cpu-forward or device-direct) across, including the wrap-around of a looped schedule (its last virtual
+  stage sends back to the first rank); a pipeline whose pairs all get one back-end stays one plain group;
 * any other dimension that spans vendors -> refused before training, with one sentence.
 
 Pure Python: the same functions check a layout in the launcher (no process group) and choose back-ends
@@ -18,8 +21,8 @@ import itertools
 from dataclasses import dataclass, field
 
 from bimetal.errors import UserError
-from bimetal.parallel.groups import GroupSpec, classify, format_group_table, native_backend
-from bimetal.transports import BIMETAL, DEFAULT, TRANSPORTS
+from bimetal.parallel.groups import GroupSpec, classify, format_group_table, native_backend, plan_pipeline
+from bimetal.transports import BIMETAL, DEFAULT, PER_HOP, TRANSPORTS
 
 CROSS_VENDOR_DIMS = ("pp",)
 """Mesh dimensions that may span vendors (on a bimetal transport); every other one must not."""
@@ -56,6 +59,10 @@ class MeshBackends:
     simulated: bool = True
     all_gloo: bool = False
     """Reference run: every dimension on plain Gloo, no vendor rules (simulation only)."""
+    stage_owners: list[int] | None = None
+    """pp position of each (virtual) stage (``plan.titan_split.part_ranks``); None: one stage per pp rank."""
+    timeout_s: float = 300.0
+    """Timeout of the per-hop pipeline groups bimetal creates itself (``pipelines``)."""
     made: list[GroupSpec] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -80,6 +87,27 @@ class MeshBackends:
             f"whole stages)"
         )
 
+    def pipelines(self, groups: list[tuple[int, ...]]) -> list[GroupSpec]:
+        """The specs of every pp group (in order; ``parallel.groups.plan_pipeline``): per hop where its pairs need
+        different back-ends, else one plain group each."""
+        if self.all_gloo:
+            return []
+        cross = TRANSPORTS[self.pp_transport].backend
+        specs: list[GroupSpec] = []
+        for i, g in enumerate(groups):
+            vendors = tuple(self.vendors[r] for r in g)
+            specs += plan_pipeline(f"pp.{i}" if len(groups) > 1 else "pp", g, vendors, cross,
+                                   lambda v: native_backend(v, self.simulated), self.stage_owners)
+        return specs
+
+    def per_hop(self, groups: list[tuple[int, ...]]) -> list[GroupSpec]:
+        """``pipelines(groups)`` when one of them is per hop (bimetal then creates the pp groups), else []."""
+        specs = self.pipelines(groups)
+        return specs if any(s.backend == PER_HOP for s in specs) else []
+
+    def record_specs(self, specs: list[GroupSpec]) -> None:
+        self.made += [s for s in specs if s not in self.made]
+
     def record(self, dim: str, groups: list[tuple[int, ...]], backend: str) -> None:
         for i, g in enumerate(groups):
             if len(g) < 2:
@@ -103,7 +131,8 @@ def dense_degrees(degrees: dict[str, int], world: int) -> dict[str, int]:
     return out
 
 
-def preflight(degrees: dict[str, int], vendors: list[str], pp_transport: str, simulated: bool) -> MeshBackends:
+def preflight(degrees: dict[str, int], vendors: list[str], pp_transport: str, simulated: bool,
+              stage_owners: list[int] | None = None) -> MeshBackends:
     """Check torchtitan's dense mesh on these vendors before any rank starts (raises ``UserError``).
 
     Covers the dimensions torchtitan 0.3.0 unflattens for dense models (``pp, batch, cp, tp`` and
@@ -116,7 +145,7 @@ def preflight(degrees: dict[str, int], vendors: list[str], pp_transport: str, si
             f"pp={d['pp']} x dp_replicate={d['dp_replicate']} x dp_shard={d['dp_shard']} x cp={d['cp']} x "
             f"tp={d['tp']} = {product} does not match the {len(vendors)} ranks of the cluster"
         )
-    mb = MeshBackends(vendors, pp_transport, simulated)
+    mb = MeshBackends(vendors, pp_transport, simulated, stage_owners=stage_owners)
     meshes = [
         (("pp", "batch", "cp", "tp"), (d["pp"], d["dp_replicate"] * d["dp_shard"], d["cp"], d["tp"])),
         (("pp", "dp_replicate", "dp_shard", "cp", "tp"), (d["pp"], d["dp_replicate"], d["dp_shard"], d["cp"], d["tp"])),
@@ -124,5 +153,9 @@ def preflight(degrees: dict[str, int], vendors: list[str], pp_transport: str, si
     for names, sizes in meshes:
         for name, groups in unflatten_groups(sizes, names).items():
             if len(groups[0]) > 1:
-                mb.record(name, groups, mb.choose(name, groups))
+                per_hop = mb.per_hop(groups) if name == "pp" else []
+                if per_hop:
+                    mb.record_specs(per_hop)
+                else:
+                    mb.record(name, groups, mb.choose(name, groups))
     return mb

@@ -9,13 +9,22 @@ Public extension points only, apart from ``_torch_hooks``:
   mesh construction while ``_torch_hooks.mesh_backends`` gives each dimension its back-end, then rank 0
   prints the group table. The mesh is built eagerly, so a refused dimension stops the job before the model.
 
+* ``BimetalTrainer.pp_forward_backward_step`` hands every pipeline rank the loss of the last stage (a sum over
+  the pp group of the last stage's loss and zeros, so the value is unchanged bit for bit) on steps that log:
+  each rank's step line shows the loss, not torchtitan's ``-1`` placeholder of the stages before the last (and
+  torchtitan's advice to add the last stage's rank to ``LOG_RANK`` is dropped: it no longer applies);
+* ``BimetalTrainer.train_step`` notes each completed step for bimetal's launcher (a crashed rank is named with its
+  last step) and runs bimetal's fault injection (``bimetal.faults``; nothing unless its variable is set).
+
 After training, ``report`` writes ``<dump_folder>/bimetal/rank<r>.json``: per-step losses (on ranks that
-hold the last stage), and every mesh dimension's back-end, ranks and (for bimetal transports) byte counters.
+hold the last stage), and every mesh dimension's back-end, ranks and (for bimetal transports) byte counters; a
+per-hop pp group lists each of this rank's pairs (``hops``) and its collectives group.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -27,12 +36,14 @@ import torch.distributed as dist
 from torchtitan.distributed import ParallelDims
 from torchtitan.trainer import Trainer
 
-from bimetal import transports
+from bimetal import faults, transports
 from bimetal.comm.registry import CPU_FORWARD, register_backends
 from bimetal.integrations.torchtitan import cpu_support
 from bimetal.integrations.torchtitan._torch_hooks import mesh_backends
 from bimetal.integrations.torchtitan.mesh import MeshBackends
 from bimetal.parallel.context import _init_world
+from bimetal.plan.titan_split import part_ranks
+from bimetal.supervisor import report_step
 from bimetal.topology.exchange import exchange_topology
 from bimetal.topology.local_device import bind_rank_device
 from bimetal.topology.vendor import detect_vendor, is_simulated
@@ -76,6 +87,7 @@ class BimetalTrainer(Trainer):
     def __init__(self, config: Any, options: BimetalOptions | None = None) -> None:
         self.bimetal = options or BimetalOptions()
         self.losses: list[dict[str, float]] = []
+        logging.getLogger().addFilter(_drop_loss_rank_advice)  # torchtitan's logger is the root logger
         super().__init__(config)
         if self.bimetal.cpu:
             cpu_support.sum_reduction_for_fsdp(self.model_parts)
@@ -106,9 +118,26 @@ class BimetalTrainer(Trainer):
         dims = BimetalParallelDims.from_config(self.config.parallelism, world)
         assert isinstance(dims, BimetalParallelDims)
         dims.backends = MeshBackends([view.vendor_of(r) for r in range(world)], self.bimetal.pp_transport,
-                                     simulated=is_simulated(), all_gloo=self.bimetal.all_gloo)
+                                     simulated=is_simulated(), all_gloo=self.bimetal.all_gloo,
+                                     stage_owners=stage_owners(self.config.parallelism),
+                                     timeout_s=timeout.total_seconds())
         dims.build_mesh()
         return dims
+
+    def train_step(self, data_iterator: Any) -> None:
+        super().train_step(data_iterator)
+        report_step(self.step)  # for the launcher's sentence if this rank dies; no-op outside bimetal's launcher
+        faults.after_step(dist.get_rank(), self.step)
+
+    def pp_forward_backward_step(self, **kwargs: Any) -> torch.Tensor:
+        loss = super().pp_forward_backward_step(**kwargs)
+        if not self.metrics_processor.should_log(self.step):
+            return loss
+        # Every rank of the pipeline calls this at the same steps. The last stage's loss plus zeros is that loss
+        # exactly (NaN and inf included), on every stage.
+        mine = loss.detach().reshape(1).float() if self.pp_has_last_stage else torch.zeros(1, device=self.device)
+        dist.all_reduce(mine, group=self.parallel_dims.get_mesh("pp").get_group())
+        return loss if self.pp_has_last_stage else mine.reshape(())
 
     def report(self) -> Path:
         """Write this rank's losses and mesh groups (back-end, ranks, byte counters) as JSON; returns the path."""
@@ -121,6 +150,9 @@ class BimetalTrainer(Trainer):
                 "ranks": dist.get_process_group_ranks(pg),
                 "counters": counters.snapshot() if counters is not None else None,
             }
+            if hasattr(pg, "routes"):  # a per-hop pipeline group: its pairs and its collectives group
+                groups[name]["hops"] = {r.name: _group_record(r.send, r.backend) for r in pg.routes.values()}
+                groups[name]["collectives"] = _group_record(pg.collectives, str(dist.get_backend(pg.collectives)))
         rank = dist.get_rank()
         last = self.pp_has_last_stage if self.parallel_dims.pp_enabled else True
         out = Path(self.config.dump_folder) / "bimetal" / f"rank{rank}.json"
@@ -128,3 +160,30 @@ class BimetalTrainer(Trainer):
         out.write_text(json.dumps({"rank": rank, "vendor": detect_vendor(rank), "last_stage": bool(last),
                                    "losses": self.losses if last else [], "groups": groups}, indent=1))
         return out
+
+
+def _drop_loss_rank_advice(record: logging.LogRecord) -> bool:
+    """False for torchtitan's "Pipeline Parallel loss is not visible ... add rank N to LOG_RANK": every rank shows
+    the loss under bimetal (``pp_forward_backward_step``)."""
+    return "loss is not visible" not in str(record.msg)
+
+
+def _group_record(pg: Any, backend: str) -> dict[str, Any]:
+    counters = getattr(pg, "counters", None)
+    return {"backend": backend, "ranks": dist.get_process_group_ranks(pg),
+            "counters": counters.snapshot() if counters is not None else None}
+
+
+def stage_owners(par: Any) -> list[int] | None:
+    """The pp rank of each (virtual) stage torchtitan builds for ``parallelism``; None without a pipeline.
+
+    A single-stage schedule (1F1B, GPipe) puts one stage on each rank; a multi-stage one two or more, in torchtitan's
+    loop or V style (``plan.titan_split.part_ranks``): which ranks exchange activations depends only on the style.
+    """
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+
+    pp = par.pipeline_parallel_degree
+    if pp <= 1:
+        return None
+    single = issubclass(get_schedule_class(par.pipeline_parallel_schedule), PipelineScheduleSingle)
+    return part_ranks(pp, 1 if single else 2, par.pipeline_parallel_schedule)

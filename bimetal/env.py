@@ -1,7 +1,8 @@
 """Every ``BIMETAL_*`` environment variable a user may set: one table, checked before any rank starts, and
 the one reader the code uses.
 
-``VARIABLES`` lists each variable with the check of its values, so that ``bimetal train``/``bimetal launch``
+``VARIABLES`` lists each variable with the check of its values, its default and what it does (the reference
+page ``docs/environment.md`` is rendered from it by ``reference_page``), so that ``bimetal train``/``bimetal launch``
 refuse a bad value with one sentence naming the variable before any process is started, and a rank started by
 torchrun refuses it at its entry point instead of deep inside group creation. A variable bimetal does not know
 is named in a warning (a misspelt one would otherwise be ignored silently). The code reads a variable through

@@ -5,14 +5,14 @@
 * every ``bimetal ...`` command shown (fenced blocks, inline code) names a command and sub-command the CLI has,
   and only options that command's ``--help`` lists (its parser, run in this process) or config keys
   (``--section.key``) of ``bimetal.config``; every ``python -m bimetal...`` module exists, every ``make`` target
-  exists, every repository path shown exists;
+  exists, every repository path shown exists; every config key named in prose (``parallel.tp``) exists;
 * docs/environment.md is what ``bimetal.env.reference_page`` renders from the variable table;
 * docs/architecture.md's layer table is pyproject's import-linter layers, and its code map names every
   top-level module and every package of bimetal/;
 * README.md stays a front door: at most 12 KiB.
 
-Fenced blocks tagged ``text`` (output), ``toml``, ``json`` or ``python`` hold no commands. In a block with
-``$ `` prompts only the prompted lines are commands. ``bimetal <word>: ...`` is a message bimetal prints, not a
+Fenced blocks tagged ``toml``, ``json`` or ``python`` hold no commands; in a block tagged ``text`` (output) or
+with ``$ `` prompts, only the prompted lines are commands. ``bimetal <word>: ...`` is a message bimetal prints, not a
 command. Options of ``bimetal titan`` that its own parser lacks are torchtitan's and are not checked here.
 """
 
@@ -126,7 +126,8 @@ def test_every_internal_link_resolves() -> None:
 
 def test_the_link_check_can_fail(tmp_path: Path) -> None:
     (tmp_path / "a.md").write_text("# A page\n\n## Its part\n\n[ok](#its-part) [ok](b.md#b) [code `x`](b.md)\n"
-                                   "[gone](c.md) [no anchor](b.md#nope) `[in code](c.md)`\n\n```\n[in a block](c.md)\n```\n")
+                                   "[gone](c.md) [no anchor](b.md#nope) `[in code](c.md)`\n\n"
+                                   "```\n[in a block](c.md)\n```\n")
     (tmp_path / "b.md").write_text("# B\n")
     assert link_problems(tmp_path / "a.md") == ["a.md: c.md: no such file",
                                                 "a.md: b.md#nope: no heading with that anchor in b.md"]
@@ -154,7 +155,7 @@ def shown_commands(p: Page) -> list[str]:
     """Command lines shown on a page: fenced shell lines (continuations joined) and inline spans."""
     lines: list[str] = []
     for info, body in p.blocks:
-        if info in NO_COMMANDS:
+        if info in NO_COMMANDS and info != "text":
             continue
         joined: list[str] = []
         for line in body:
@@ -162,7 +163,7 @@ def shown_commands(p: Page) -> list[str]:
                 joined[-1] = joined[-1][:-1] + " " + line.strip()
             else:
                 joined.append(line.strip())
-        prompted = any(line.startswith("$ ") for line in joined)
+        prompted = info == "text" or any(line.startswith("$ ") for line in joined)
         for line in joined:
             if prompted and not line.startswith("$ "):
                 continue
@@ -280,6 +281,27 @@ def test_every_command_shown_exists() -> None:
         for line in shown_commands(p):
             bad += [f"{p.name}: `{line}`: {problem}" for problem in check_line(line)]
     assert not bad, "\n".join(bad)
+
+
+FILE_SUFFIXES = {"py", "json", "jsonl", "toml", "md", "txt", "safetensors"}
+
+
+def key_problem(span: str) -> str | None:
+    """A config key named in prose (`parallel.tp`, `--checkpoint.every=5`) that bimetal.config lacks."""
+    sections = {key.split(".")[0] for key in config_keys()}
+    m = re.match(r"^(?:--)?([a-z_]+)\.([a-z_0-9]+)(?:$|[=\s])", span)
+    if m and m.group(1) in sections and m.group(2) not in FILE_SUFFIXES and \
+            f"{m.group(1)}.{m.group(2)}" not in config_keys():
+        return f"no config key {m.group(1)}.{m.group(2)} in bimetal.config"
+    return None
+
+
+def test_every_config_key_named_exists() -> None:
+    bad = [f"{page(path).name}: `{span}`: {problem}" for path in PAGES for span in spans(page(path))
+           if (problem := key_problem(span))]
+    assert not bad, "\n".join(bad)
+    assert key_problem("parallel.no_such_key") and key_problem("--training.stepz=3")
+    assert not key_problem("parallel.tp") and not key_problem("metrics.jsonl")
 
 
 def test_the_command_check_can_fail() -> None:

@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 # that tests/test_slurm_real.py starts and stops to run `bimetal slurm`'s scripts).
 DEB_PACKAGES := libibverbs1 iproute2 iptables g++ ninja-build slurm-wlm munge
 
-.PHONY: venv demo test lint debian-packages clean gpu-check
+.PHONY: venv demo test lint debian-packages clean gpu-check docs
 
 $(STAMP): pyproject.toml requirements-lock.txt
 	$(PY) -m venv $(VENV)
@@ -45,6 +45,10 @@ lint: $(STAMP)
 
 test: $(STAMP) debian-packages lint
 	$(BIN)/python -m pytest -q tests
+
+# docs/environment.md from bimetal/env.py's variable table (tests/test_docs.py holds the two equal).
+docs: $(STAMP)
+	$(BIN)/python scripts/env_page.py
 
 # On a machine with one GPU: cpu-forward's GPU path right and fast, one table (scripts/gpu_check.sh; --cpu for CI).
 gpu-check: $(STAMP)

@@ -38,11 +38,11 @@ WHEELS = {"cuda12": ("mooncake-transfer-engine", "0.3.13.post1"), "cuda13": ("mo
     ("cpu", "cuda12", False, None),  # no GPU visible: host memory only, any build serves it
     ("cuda12", "rocm", True, "is the CUDA 12 build (mooncake-transfer-engine 0.3.13.post1) but torch 2.9.0 is "
                              "a ROCm build, so the engine cannot address this GPU's memory; run `pip uninstall -y "
-                             "mooncake-transfer-engine`, then `pip install 'bimetal[rocm]'` "
-                             "(mooncake-transfer-engine-rocm==0.3.13.post1)"),
+                             "mooncake-transfer-engine`, then `pip install "
+                             "mooncake-transfer-engine-rocm==0.3.13.post1` (bimetal's [rocm] extra)"),
     ("cuda12", "cuda13", True, "torch 2.9.0 is a CUDA 13 build"),
     ("cpu", "cuda12", True, "is the CPU-only build (mooncake-transfer-engine-non-cuda 0.3.13.post1)"),
-    ("rocm", "cuda12", True, "`pip install 'bimetal[cuda]'` (mooncake-transfer-engine==0.3.13.post1)"),
+    ("rocm", "cuda12", True, "`pip install mooncake-transfer-engine==0.3.13.post1` (bimetal's [cuda] extra)"),
 ])
 def test_the_engine_build_must_be_torchs(engine: str, torch_kind: str, gpu: bool, says: str | None) -> None:
     got = builds.build_problem([WHEELS[engine]], torch_kind, gpu, "2.9.0")

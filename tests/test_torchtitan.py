@@ -23,7 +23,7 @@ from bimetal.integrations.torchtitan.mesh import MixedVendorDimensionError, pref
 from bimetal.plan.titan_split import module_fqns_per_model_part
 
 needs_titan = pytest.mark.skipif(not available(),
-                                 reason="torchtitan is not installed: pip install 'bimetal[torchtitan]'")
+                                 reason="torchtitan is not installed: pip install torchtitan==0.3.0")
 
 COMMON = ["--module", "llama3", "--config", "llama3_debugmodel", "--training.seq_len=32",
           "--training.local_batch_size=4", "--validator.no-enable", "--training.disable_cuda_graphs",

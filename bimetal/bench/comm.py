@@ -351,7 +351,7 @@ def _plot(report: dict, path: Path) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib not installed: no plot (pip install 'bimetal[plot]')", flush=True)
+        print("matplotlib not installed: no plot (pip install matplotlib: bimetal's [plot] extra)", flush=True)
         return
     fig, ax = plt.subplots(figsize=(7, 4))
     for name in dict.fromkeys(r["variant"] for r in report["rows"]):

@@ -76,7 +76,7 @@ def build_problem(engines: list[tuple[str, str]], torch_kind: str, gpu_visible: 
     ``engines``: ``installed_engines()``; ``torch_kind``: ``torch_build()``; ``gpu_visible``: whether this process
     sees a GPU (without one, every build handles the host memory it is given, so only a clash is refused)."""
     want = wanted(torch_kind, gpu_visible)
-    fix = f"`pip install 'bimetal[{want.extra}]'` ({want.wheel}=={ENGINE_RELEASE})"
+    fix = f"`pip install {want.wheel}=={ENGINE_RELEASE}` (bimetal's [{want.extra}] extra)"
     if len(engines) > 1:
         names = [name for name, _ in engines]
         listed = ", ".join(f"{n} {v}" for n, v in engines)
@@ -102,7 +102,7 @@ def wanted(torch_kind: str, gpu_visible: bool) -> Build:
 def install_hint() -> str:
     """How to install the engine this process needs, in a few words."""
     want = wanted(torch_build(torch.version.cuda, torch.version.hip), torch.cuda.is_available())
-    return f"`pip install 'bimetal[{want.extra}]'` ({want.wheel}=={ENGINE_RELEASE}, the {want.label} build)"
+    return f"`pip install {want.wheel}=={ENGINE_RELEASE}` (bimetal's [{want.extra}] extra, the {want.label} build)"
 
 
 def check_installed() -> str | None:

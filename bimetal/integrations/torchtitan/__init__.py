@@ -1,7 +1,8 @@
 """torchtitan's own trainer on bimetal: a world that spans vendors, per-dimension back-ends, uneven splits.
 
-Install with ``pip install 'bimetal[torchtitan]'`` (pinned to ``TORCHTITAN_VERSION``). Entry points:
-``bimetal titan ...`` and ``python -m bimetal.integrations.torchtitan ...`` (``cli``). Modules:
+Install with bimetal's ``[torchtitan]`` extra (``pip install -e '.[torchtitan]'`` in a clone; pinned to
+``TORCHTITAN_VERSION``). Entry points: ``bimetal titan ...`` and ``python -m bimetal.integrations.torchtitan ...``
+(``cli``). Modules:
 
 * ``mesh``: which back-end each torchtitan mesh dimension gets (pure Python), the refusal of mixed native dims;
 * ``_torch_hooks``: the one private torch API hooked (where DeviceMesh creates a dimension's groups);

@@ -191,9 +191,10 @@ VARIABLES: dict[str, Variable] = {
         "vendors", _choice("nvidia", "amd"), "unset", "Simulated vendor of this one process, e.g. per lab node or "
         "per Slurm component under `bimetal slurm --simulate`."),
     "BIMETAL_SIMULATE_DEVICE": Variable(
-        "vendors", _choice("cpu", "cuda"), "`cpu`", "With `--simulate`: `cuda` trains every simulated rank on GPU 0 "
-        "(the GPU check), and the simulated native groups take device tensors through cpu-forward's staged path. "
-        "Refused without simulation, or where torch sees no GPU."),
+        "vendors", _choice("cpu", "cuda", "cpu-staged"), "`cpu`", "With `--simulate`: `cuda` trains every simulated "
+        "rank on GPU 0 (the GPU check), and the simulated native groups take device tensors through cpu-forward's "
+        "staged path; `cpu-staged` keeps the ranks on the CPU but sends the native groups through that same staged "
+        "path (the GPU check's `--cpu` rehearsal). Refused without simulation; `cuda` also where torch sees no GPU."),
     "BIMETAL_THREADS": Variable(
         "vendors", _integer(1), "`1`", "torch CPU threads per trainer rank."),
     "BIMETAL_HOST": Variable(

@@ -30,15 +30,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _env(cpu: bool) -> dict[str, str]:
+def _env(cpu: bool, simulated: bool) -> dict[str, str]:
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOG_minloglevel="2")
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "BIMETAL_SIMULATE"):
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "BIMETAL_SIMULATE",
+                "BIMETAL_SIMULATE_DEVICE"):
         env.pop(key, None)
     if cpu:
         env["BIMETAL_CF_FORCE_STAGING"] = "1"
-    # Simulated vendors train on the one GPU (trainer._device) and their native groups take cpu-forward's staged
-    # path (comm.registry.staged_native); without a GPU the same setting runs that path on CPU tensors.
-    env["BIMETAL_SIMULATE_DEVICE"] = "cuda"
+    # Simulated vendors train on the one GPU (local_device.rank_device) and their native groups take cpu-forward's
+    # staged path (comm.registry.staged_native); without a GPU, `cpu-staged` runs that path on CPU tensors. The
+    # one-process reference is not simulated: it takes the GPU (or the CPU) by itself, and the variable is refused.
+    if simulated:
+        env["BIMETAL_SIMULATE_DEVICE"] = "cpu-staged" if cpu else "cuda"
     return env
 
 
@@ -47,8 +50,8 @@ def step(args: list[str], cpu: bool, log: Path, timeout: float) -> str | None:
     None when it exited 0; else why not, in a few words (a step that outlives ``timeout`` is killed with all
     its ranks and reported, so a hang is a failing row and the table still prints)."""
     with open(log, "w") as f:
-        proc = subprocess.Popen(args, env=_env(cpu), stdout=f, stderr=subprocess.STDOUT, cwd=ROOT,
-                                start_new_session=True)
+        proc = subprocess.Popen(args, env=_env(cpu, "--simulate" in args), stdout=f, stderr=subprocess.STDOUT,
+                                cwd=ROOT, start_new_session=True)
         try:
             rc = proc.wait(timeout)
         except subprocess.TimeoutExpired:

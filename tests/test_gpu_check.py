@@ -2,8 +2,9 @@
 that it cannot rot before a GPU is lent. Nothing here needs a GPU.
 
 The parity rows train FSDP (with activation checkpointing), HSDP, tensor parallelism and the hierarchical
-all-reduce on simulated ranks whose native groups take cpu-forward's staged path (``BIMETAL_SIMULATE_DEVICE=cuda``
-with staging forced: the GPU run's code on CPU tensors), each step's loss against one process to 1e-4."""
+all-reduce on simulated ranks whose native groups take cpu-forward's staged path (on a GPU
+``BIMETAL_SIMULATE_DEVICE=cuda``, here ``cpu-staged`` with staging forced: the GPU run's code on CPU tensors),
+each step's loss against one process to 1e-4."""
 
 from __future__ import annotations
 

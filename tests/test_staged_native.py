@@ -50,7 +50,7 @@ def _create_pair(body: Any) -> None:
 
 def test_native_groups_take_the_staged_path_when_vendors_share_one_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("BIMETAL_SIMULATE", "nvidia:2")
-    monkeypatch.setenv("BIMETAL_SIMULATE_DEVICE", "cuda")
+    monkeypatch.setenv("BIMETAL_SIMULATE_DEVICE", "cuda" if torch.cuda.is_available() else "cpu-staged")
     monkeypatch.setenv("BIMETAL_CF_FORCE_STAGING", "1")
     got: dict[int, tuple[str, str, int, torch.Tensor, torch.Tensor]] = {}
 

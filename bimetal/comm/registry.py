@@ -120,9 +120,9 @@ def _create_sim_native(dist_backend_opts: Any, pg_options: Any):
 
 def staged_native() -> bool:
     """Whether the simulated native groups run on cpu-forward's staged path: ``BIMETAL_SIMULATE_DEVICE=cuda``, the
-    simulated vendors share one GPU, and Gloo takes device tensors for few ops. On a machine without a GPU the
-    same setting runs the same code on CPU tensors (staged through the pool with ``BIMETAL_CF_FORCE_STAGING=1``)."""
-    return env.read("BIMETAL_SIMULATE_DEVICE") == "cuda"
+    simulated vendors share one GPU, and Gloo takes device tensors for few ops. ``cpu-staged`` runs the same code
+    on CPU tensors (staged through the pool with ``BIMETAL_CF_FORCE_STAGING=1``), where no GPU is."""
+    return env.read("BIMETAL_SIMULATE_DEVICE") in ("cuda", "cpu-staged")
 
 
 def _create_per_hop(dist_backend_opts: Any, pg_options: Any):

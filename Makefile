@@ -44,7 +44,7 @@ lint: $(STAMP)
 	$(BIN)/lint-imports
 
 test: $(STAMP) debian-packages lint
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=10 tests
 
 # docs/environment.md from bimetal/env.py's variable table (tests/test_docs.py holds the two equal).
 docs: $(STAMP)

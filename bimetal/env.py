@@ -195,6 +195,10 @@ VARIABLES: dict[str, Variable] = {
         "rank on GPU 0 (the GPU check), and the simulated native groups take device tensors through cpu-forward's "
         "staged path; `cpu-staged` keeps the ranks on the CPU but sends the native groups through that same staged "
         "path (the GPU check's `--cpu` rehearsal). Refused without simulation; `cuda` also where torch sees no GPU."),
+    "BIMETAL_LAUNCH_FORK": Variable(
+        "vendors", _FLAG, "`1`", "bimetal's launcher starts the ranks of a job simulated on the CPU as forks of "
+        "itself, with torch already imported (about 3 s of CPU less per rank); `0` starts each as a new "
+        "interpreter. Jobs on GPUs always start new interpreters."),
     "BIMETAL_THREADS": Variable(
         "vendors", _integer(1), "`1`", "torch CPU threads per trainer rank."),
     "BIMETAL_HOST": Variable(

@@ -74,10 +74,12 @@ def launch(
     env.update(extra_env or {})
     _check_program(rank_argv)
     if nnodes == 1 and master_addr is None and not torchrun_args:
+        from bimetal.rank_fork import fork_wanted
         from bimetal.supervisor import RankSupervisor
 
+        fork = fork_wanted(env, simulated=bool(env.get(SIMULATE_ENV)))
         return RankSupervisor([sys.executable, *rank_argv], nproc_per_node, env, max_restarts, name, vendors,
-                              port=master_port or 0, output=output).run()
+                              port=master_port or 0, output=output, fork=fork).run()
 
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc_per_node}"]
     if nnodes == 1 and master_addr is None:

@@ -15,9 +15,12 @@ import subprocess
 import sys
 import threading
 from collections import deque
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from bimetal.errors import UserError
+
+if TYPE_CHECKING:
+    from bimetal.rank_fork import ForkedRank
 
 
 def parse_filter(text: str, world: int) -> set[int]:
@@ -43,7 +46,7 @@ class RankOutput:
         self._out, self._err = stdout or sys.stdout, stderr or sys.stderr
         self._tails: dict[int, deque[bytes]] = {}
         self._threads: list[threading.Thread] = []
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()  # held while writing a line (and across a forked rank's start)
 
     @staticmethod
     def popen_kwargs() -> dict[str, Any]:
@@ -52,7 +55,7 @@ class RankOutput:
     def shown(self, rank: int) -> bool:
         return self.show is None or rank in self.show
 
-    def attach(self, rank: int, proc: subprocess.Popen) -> None:
+    def attach(self, rank: int, proc: subprocess.Popen | ForkedRank) -> None:
         """Start reading ``proc``'s two pipes (it was started with ``popen_kwargs``)."""
         self._tails[rank] = deque(maxlen=self.tail)
         for stream, sink in ((proc.stdout, self._out), (proc.stderr, self._err)):
@@ -76,7 +79,7 @@ class RankOutput:
         stream.close()
 
     def _write(self, sink: IO[Any], data: bytes) -> None:
-        with self._lock:
+        with self.lock:
             buffer = getattr(sink, "buffer", None)
             if buffer is not None:
                 buffer.write(data)

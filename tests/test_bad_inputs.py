@@ -57,6 +57,8 @@ CLI_CASES = [
      "schedule='zigzag' is unknown"),
     ("config-bad-dtype", lambda t: ["train", "--config", _demo_with(t, 'dtype = "auto"', 'dtype = "fp8"')],
      "training.dtype='fp8' is unknown"),
+    ("config-unknown-flavour", lambda t: ["train", "--config", str(DEMO), "--model.flavour=llama3-9000b"],
+     "model llama3/llama3-9000b is unknown"),
     ("config-zero-pp", lambda t: ["train", "--config", _demo_with(t, "pp = 2", "pp = 0")], "must both be at least 1"),
     ("config-batch-not-multiple", lambda t: ["train", "--config", _demo_with(t, "batch_size = 8", "batch_size = 7")],
      "data.batch_size=7 must be a multiple"),

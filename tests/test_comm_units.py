@@ -9,7 +9,7 @@ from datetime import timedelta
 import pytest
 import torch
 
-from bimetal.comm.staging import PinnedPool, PoolExhausted
+from bimetal.comm.cpu_forward.staging import PinnedPool, PoolExhausted
 from bimetal.comm.striping import CpuForwardOptions, chunk_plan
 from bimetal.errors import UserError
 

@@ -24,7 +24,7 @@ from launcher import clean_env, launch
 from test_op_table import ROWS
 
 from bimetal.comm.cpu_forward.pg import CpuForwardProcessGroup
-from bimetal.comm.staging import ALIGN, CALLER_DOUBLE, DoubleEvent, HostCopyDouble, PinnedPool, plan_rounds
+from bimetal.comm.cpu_forward.staging import ALIGN, CALLER_DOUBLE, DoubleEvent, HostCopyDouble, PinnedPool, plan_rounds
 from bimetal.comm.striping import CpuForwardOptions, build_stripes
 
 HERE = Path(__file__).resolve().parent

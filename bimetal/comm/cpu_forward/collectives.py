@@ -31,9 +31,9 @@ from torch.distributed.distributed_c10d import (
 from bimetal.comm.base import OpRecord
 from bimetal.comm.cpu_forward import rounds
 from bimetal.comm.cpu_forward import staged_ops as so
+from bimetal.comm.cpu_forward.staging import OpEnd, capture, copy_to_device, is_device, on_stream, record_end, settle
 from bimetal.comm.cpu_forward.state import GroupState
 from bimetal.comm.cpu_forward.work import Deadline
-from bimetal.comm.staging import OpEnd, capture, copy_to_device, is_device, on_stream, record_end, settle
 
 Host = Callable[[torch.Tensor], torch.Tensor]
 StagedPlan = Callable[[Host, so.Stripe], list[rounds.Staged]]

@@ -25,9 +25,9 @@ import torch.distributed as dist
 from bimetal.comm.base import SUPPORTED_DTYPES, OpRecord, TransportError
 from bimetal.comm.cpu_forward import pipeline
 from bimetal.comm.cpu_forward.chunks import HostChunks, StagedRecv, StagedSend
+from bimetal.comm.cpu_forward.staging import OpEnd, after, capture
 from bimetal.comm.cpu_forward.state import GroupState
 from bimetal.comm.cpu_forward.work import Deadline, DirectWork, LeanWork
-from bimetal.comm.staging import OpEnd, after, capture
 
 
 def send(g: GroupState, op: OpRecord, tensors: list[torch.Tensor], dst: int, tag: int) -> dist.Work:

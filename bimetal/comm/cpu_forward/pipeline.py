@@ -14,9 +14,9 @@ from typing import Any
 import torch
 
 from bimetal.comm.cpu_forward.chunks import StagedRecv, StagedSend
+from bimetal.comm.cpu_forward.staging import OpEnd, after, copy_to_device, on_stream, record_end, settle
 from bimetal.comm.cpu_forward.state import GroupState
 from bimetal.comm.cpu_forward.work import Deadline
-from bimetal.comm.staging import OpEnd, after, copy_to_device, on_stream, record_end, settle
 
 
 def pump(io: StagedSend | StagedRecv, plan: list[tuple[int, int]], post: Callable[[int, torch.Tensor], Any],

@@ -17,9 +17,9 @@ import torch
 from bimetal.comm.base import CommCounters, OpRecord
 from bimetal.comm.cpu_forward.failover import Failover
 from bimetal.comm.cpu_forward.links import StripeSet
+from bimetal.comm.cpu_forward.staging import CopyStreams, PinnedPool, force_staging, is_device
 from bimetal.comm.cpu_forward.stats import StripeStats
 from bimetal.comm.cpu_forward.work import Workers
-from bimetal.comm.staging import CopyStreams, PinnedPool, force_staging, is_device
 from bimetal.comm.striping import SINGLE_BYTES, CpuForwardOptions, chunk_plan
 from bimetal.topology.local_device import rank_device
 

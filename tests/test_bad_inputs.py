@@ -42,6 +42,8 @@ def _spec_with(tmp: Path, old: str, new: str) -> str:
 CLI_CASES = [
     ("unknown-command", lambda t: ["frobnicate"], "unknown command 'frobnicate'"),
     ("no-bench", lambda t: ["bench", "nothing"], "usage: bimetal bench"),
+    ("no-lab-sub-command", lambda t: ["lab"], "no sub-command given; usage: bimetal lab {up,down,run,status}"),
+    ("plan-calibrate-without-lab", lambda t: ["plan", "calibrate"], "--lab"),
     # train: config files
     ("config-missing", lambda t: ["train", "--config", str(t / "nope.toml")], "does not exist"),
     ("config-not-toml", lambda t: ["train", "--config", _write(t, "c.toml", "[model\nfamily=")], "not valid TOML"),

@@ -337,7 +337,7 @@ def main() -> None:
         if dd is None:
             raise RuntimeError("no device-direct group (see the rows above)")
         stream = dd.proxy.transfers._stream  # type: ignore[attr-defined]
-        where = {"cf pool": cf.pool.device,  # type: ignore[attr-defined]
+        where = {"cf pool": cf.state.pool.device,  # type: ignore[attr-defined]
                  "dd slots": next(iter(dd.proxy.transfers.pools.values())).device,  # type: ignore[attr-defined]
                  "dd stream": stream.device if stream is not None else torch.device("cpu")}
         rows.append({"check": "transport buffers on the rank's device", "pass": all(d == dev for d in where.values()),

@@ -80,7 +80,7 @@ def main() -> None:
         rows.append({"mib": nbytes / 2**20, "seconds": seconds, "ok": ok,
                      "warnings": [str(w.message) for w in caught if "degraded" in str(w.message)]})
         del data
-    print(f"RESULT{rank} " + json.dumps({"rows": rows, "dead": sorted(g.links.dead)}), flush=True)
+    print(f"RESULT{rank} " + json.dumps({"rows": rows, "dead": sorted(g.state.links.dead)}), flush=True)
     dist.barrier()
     os._exit(0)  # the group's dead stripe is closed already; skip the slow Gloo teardown
 

@@ -80,7 +80,7 @@ def main() -> None:
                                          ("all_stall", 0, [0, 1])):
         g = group(f"pp.{name}", 8.0 if name == "all_stall" else 60.0)
         pg: Any = g  # the bimetal object itself (extended API)
-        pg.checksum = name == "recv_stall"
+        pg.state.checksum = name == "recv_stall"
         dist.barrier()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -91,7 +91,7 @@ def main() -> None:
             first = run(g, rank, seed=1)
             second = run(g, rank, seed=3) if name != "all_stall" else None
         degraded = [str(w.message) for w in caught if "degraded" in str(w.message)]
-        results[name] = {"first": first, "second": second, "warnings": degraded, "dead": sorted(pg.links.dead)}
+        results[name] = {"first": first, "second": second, "warnings": degraded, "dead": sorted(pg.state.links.dead)}
         dist.barrier()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)

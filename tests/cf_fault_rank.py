@@ -35,7 +35,7 @@ def main() -> None:
     g = dist.new_group(backend="bimetal_cpu_forward", group_desc="pp.dp0", timeout=timedelta(seconds=TIMEOUT_S),
                        pg_options=CpuForwardOptions(stripes=2, interfaces=["lo", "lo"], chunk_bytes=1 << 16))
     if mode == "corrupt":
-        g.checksum = True  # what BIMETAL_CF_CHECKSUM=1 sets at creation
+        g.state.checksum = True  # what BIMETAL_CF_CHECKSUM=1 sets at creation
     dist.barrier(group=g)
     n = 1 << 20  # 4 MiB of float32: 64 chunks
     if rank == 1:

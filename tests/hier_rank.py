@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 from launcher import rank_exit
 
-from bimetal.comm.hierarchical import all_reduce_gradients, hierarchical_all_reduce
 from bimetal.parallel import ParallelDims, init_parallel
+from bimetal.parallel.hierarchical import all_reduce_gradients, hierarchical_all_reduce
 
 torch.set_num_threads(1)
 ctx = init_parallel(ParallelDims(pp=1, dp=4, allow_cross_vendor_dp=True), {"dp": "cpu-forward"},

@@ -42,9 +42,9 @@ def main() -> None:
         pg: Any = g  # the group object is the bimetal process group
         results.append(uneven_beyond_the_bound(name, g, pg, ref, rank, world))
         stats = pg.comm_stats()
-        ok = pg.stage_all and stats["bytes_staged"] > 0
+        ok = pg.state.stage_all and stats["bytes_staged"] > 0
         results.append({"transport": name, "case": "staging.forced", "ok": bool(ok), "seconds": 0.0,
-                        "detail": "" if ok else f"stage_all={pg.stage_all}, {stats}"})
+                        "detail": "" if ok else f"stage_all={pg.state.stage_all}, {stats}"})
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
     dist.barrier()
@@ -54,7 +54,7 @@ def main() -> None:
 def uneven_beyond_the_bound(name: str, g: dist.ProcessGroup, pg: Any, ref: dist.ProcessGroup, rank: int,
                             world: int) -> dict:
     """An uneven all-to-all (rows of a 2-D float32 tensor) whose longest part alone is twice the pool's bound."""
-    long = 2 * pg.pool.max_bytes // (4 * 5)  # rows of 5 float32
+    long = 2 * pg.state.pool.max_bytes // (4 * 5)  # rows of 5 float32
     rows = [[(long if (src + dst) % 2 else 7 * (dst + 1)) for dst in range(world)] for src in range(world)]
     split_in, split_out = rows[rank], [rows[p][rank] for p in range(world)]
     x = table.data((sum(split_in), 5), torch.float32, 1000 + rank)
@@ -62,8 +62,8 @@ def uneven_beyond_the_bound(name: str, g: dist.ProcessGroup, pg: Any, ref: dist.
     dist.all_to_all_single(a, x, split_out, split_in, group=g)
     dist.all_to_all_single(b, x, split_out, split_in, group=ref)
     detail = table.same(a, b, True)
-    if not detail and not 0 < pg.pool.held_bytes <= pg.pool.max_bytes:
-        detail = f"pool holds {pg.pool.held_bytes} bytes, bound {pg.pool.max_bytes}"
+    if not detail and not 0 < pg.state.pool.held_bytes <= pg.state.pool.max_bytes:
+        detail = f"pool holds {pg.state.pool.held_bytes} bytes, bound {pg.state.pool.max_bytes}"
     return {"transport": name, "case": "staging.uneven_all_to_all_beyond_the_pool_bound", "ok": not detail,
             "seconds": 0.0, "detail": detail}
 

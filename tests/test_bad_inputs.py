@@ -42,6 +42,8 @@ def _spec_with(tmp: Path, old: str, new: str) -> str:
 CLI_CASES = [
     ("unknown-command", lambda t: ["frobnicate"], "unknown command 'frobnicate'"),
     ("no-bench", lambda t: ["bench", "nothing"], "usage: bimetal bench"),
+    ("no-lab-sub-command", lambda t: ["lab"], "no sub-command given; usage: bimetal lab {up,down,run,status}"),
+    ("plan-calibrate-without-lab", lambda t: ["plan", "calibrate"], "--lab"),
     # train: config files
     ("config-missing", lambda t: ["train", "--config", str(t / "nope.toml")], "does not exist"),
     ("config-not-toml", lambda t: ["train", "--config", _write(t, "c.toml", "[model\nfamily=")], "not valid TOML"),
@@ -57,6 +59,8 @@ CLI_CASES = [
      "schedule='zigzag' is unknown"),
     ("config-bad-dtype", lambda t: ["train", "--config", _demo_with(t, 'dtype = "auto"', 'dtype = "fp8"')],
      "training.dtype='fp8' is unknown"),
+    ("config-unknown-flavour", lambda t: ["train", "--config", str(DEMO), "--model.flavour=llama3-9000b"],
+     "model llama3/llama3-9000b is unknown"),
     ("config-zero-pp", lambda t: ["train", "--config", _demo_with(t, "pp = 2", "pp = 0")], "must both be at least 1"),
     ("config-batch-not-multiple", lambda t: ["train", "--config", _demo_with(t, "batch_size = 8", "batch_size = 7")],
      "data.batch_size=7 must be a multiple"),

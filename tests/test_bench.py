@@ -5,8 +5,6 @@ the benchmarks went."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -56,13 +54,3 @@ def test_bench_comm_cpp_ceiling_without_a_compiler_says_what_to_install(tmp_path
     assert proc.returncode == 2, proc.stderr
     assert "needs c++ and ninja on PATH (Debian: apt-get install g++ ninja-build)" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists(), proc.stderr
-
-
-@pytest.mark.parametrize(("module", "fragment"), [
-    ("bimetal.lab.stripes", "python -m bimetal.bench.stripes"),
-    ("bimetal.comm.device_direct.bench", "bimetal bench engine"),
-])
-def test_old_module_names_say_where_the_benchmark_went(module: str, fragment: str) -> None:
-    proc = subprocess.run([sys.executable, "-m", module, "--help"], env=clean_env(), capture_output=True, text=True,
-                          timeout=60)
-    assert proc.returncode == 2 and fragment in proc.stderr, proc.stderr

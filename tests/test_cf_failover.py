@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 from launcher import launch
 
-from bimetal.comm.cpu_forward.failover import MORE, Status, Transfer
+from bimetal.comm.base import OpRecord
+from bimetal.comm.cpu_forward.failover import MORE, Status
 from bimetal.comm.striping import CpuForwardOptions
 from bimetal.errors import UserError
 
@@ -27,25 +28,19 @@ HERE = Path(__file__).resolve().parent
 
 
 def test_status_message_round_trips_and_rejects_what_does_not_fit() -> None:
-    class _D:
-        class op:  # noqa: N801  (an OpRecord stand-in: only describe() is read)
-            @staticmethod
-            def describe() -> str:
-                return "group 'g' send #3 with peer 1"
-
-    t = Transfer.__new__(Transfer)
-    t.number, t.chunks, t.k, t.d = 7, 70, 3, _D()  # type: ignore[assignment]
+    op = OpRecord("g", "send", 3, 1)
+    expected = (7, 70, 3, op)  # transfer 7, 70 chunks over 3 stripes
     raw = Status.encode(7, 1, MORE, 0b010, {0, 33, 69}, 70)
-    st = Status.parse(raw, t, 1)
+    st = Status.parse(raw, 1, *expected)
     assert st.missing == [0, 33, 69] and st.assignment == [(0, 0), (33, 2), (69, 0)]
     for index, value in ((0, 1), (1, 8), (2, 0), (3, 9), (4, 0b1000), (5, 2)):
         bad = raw.clone()
         bad[index] = value
         with pytest.raises(Exception, match="malformed status"):
-            Status.parse(bad, t, 1)
+            Status.parse(bad, 1, *expected)
     every_stripe_dead = Status.encode(7, 1, MORE, 0b111, {1}, 70)
     with pytest.raises(Exception, match="alive stripes"):
-        Status.parse(every_stripe_dead, t, 1)
+        Status.parse(every_stripe_dead, 1, *expected)
 
 
 def test_stall_option_from_env_and_default(monkeypatch: pytest.MonkeyPatch) -> None:

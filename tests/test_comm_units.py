@@ -8,7 +8,7 @@ from datetime import timedelta
 import pytest
 import torch
 
-from bimetal.comm.staging import PinnedPool, PoolExhausted
+from bimetal.comm.cpu_forward.staging import PinnedPool, PoolExhausted
 from bimetal.comm.striping import CpuForwardOptions, chunk_plan
 from bimetal.errors import UserError
 
@@ -208,9 +208,9 @@ def test_one_message_fast_path_counts_and_words_errors(monkeypatch) -> None:
 
     common = [pg.send([torch.ones(8, 8).t()], 1, 0),  # not contiguous: the common path (a contiguous copy)
               pg.send([torch.ones(4, dtype=torch.bool)], 1, 0),  # bool goes as uint8 bytes: the common path
-              pg.send([torch.ones(2 * pg.options.chunk_bytes // 4)], 1, 0)]  # over one chunk: chunked
+              pg.send([torch.ones(2 * pg.state.options.chunk_bytes // 4)], 1, 0)]  # over one chunk: chunked
     assert all(type(w) is not LeanWork and w.wait() for w in common)
-    assert stripe.posted[2:] == [("send", 64, 1), ("send", 4, 1)] + [("send", pg.options.chunk_bytes // 4, 1)] * 2
+    assert stripe.posted[2:] == [("send", 64, 1), ("send", 4, 1)] + [("send", pg.state.options.chunk_bytes // 4, 1)] * 2
     assert pg.comm_stats()["ops"] == 5
 
     stripe.fail = "Connection closed by peer [127.0.0.1]:1234"

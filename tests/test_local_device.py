@@ -88,11 +88,11 @@ def test_every_buffer_stream_and_pool_is_on_the_ranks_own_gpu(node) -> None:
         pg = CpuForwardProcessGroup([mock.MagicMock()], 0, 2, timedelta(seconds=5),
                                     CpuForwardOptions(stripes=1, chunk_bytes=4096, pool_buffers=2).resolved())
         try:
-            pg.pool.give(pg.pool.take(torch.uint8, 64, timedelta(seconds=1)))
-            pg.streams.pair(torch.device("cuda", k))
+            pg.state.pool.give(pg.state.pool.take(torch.uint8, 64, timedelta(seconds=1)))
+            pg.state.streams.pair(torch.device("cuda", k))
         finally:
             pg.shutdown()
-        assert pg.device == torch.device("cuda", k)
+        assert pg.state.device == torch.device("cuda", k)
         assert fake.allocated_on == [k, k], "device-direct send pool and receive slots"
         assert fake.pinned_on == [k], "cpu-forward's pinned staging pool"
         assert [s.device for s in fake.streams] == [torch.device("cuda", k)] * 3, "dd copy stream, cf copy streams"

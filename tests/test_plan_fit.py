@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from bimetal.errors import UserError
-from bimetal.plan.cli import main
+from bimetal.plan.fit import main
 from bimetal.plan.spec import load_spec
 
 DATA = Path(__file__).parent / "data" / "bench_comm_loopback.json"
@@ -23,7 +23,7 @@ def test_fit_sets_the_host_path_constants_from_the_report(tmp_path: Path, capsys
     prof = tmp_path / "p.json"
     prof.write_text(json.dumps({"copy_gbps": 7.5, "achieved_flops": 1e9}))
     out = tmp_path / "fitted.toml"
-    assert main(["fit", SPEC, "--bench-comm", str(DATA), "--profile", str(prof), "--group", "mi325x",
+    assert main([SPEC, "--bench-comm", str(DATA), "--profile", str(prof), "--group", "mi325x",
                  "--out", str(out)]) == 0
     h200, mi = load_spec(out).groups
     assert mi.tcp_conn_gbps == pytest.approx(conn, abs=1e-3)
@@ -37,9 +37,9 @@ def test_fit_sets_the_host_path_constants_from_the_report(tmp_path: Path, capsys
 def test_fit_refuses_bad_inputs(tmp_path: Path) -> None:
     out = str(tmp_path / "o.toml")
     with pytest.raises(UserError, match="'gpu0' is not a group of"):
-        main(["fit", SPEC, "--bench-comm", str(DATA), "--group", "gpu0", "--out", out])
+        main([SPEC, "--bench-comm", str(DATA), "--group", "gpu0", "--out", out])
     bad = tmp_path / "b.json"
     bad.write_text("{}")
     with pytest.raises(UserError, match="is not a `bimetal bench comm` JSON"):
-        main(["fit", SPEC, "--bench-comm", str(bad), "--out", out])
+        main([SPEC, "--bench-comm", str(bad), "--out", out])
     assert not Path(out).exists()

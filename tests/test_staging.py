@@ -24,7 +24,7 @@ from launcher import clean_env, launch
 from test_op_table import ROWS
 
 from bimetal.comm.cpu_forward.pg import CpuForwardProcessGroup
-from bimetal.comm.staging import ALIGN, CALLER_DOUBLE, DoubleEvent, HostCopyDouble, PinnedPool, plan_rounds
+from bimetal.comm.cpu_forward.staging import ALIGN, CALLER_DOUBLE, DoubleEvent, HostCopyDouble, PinnedPool, plan_rounds
 from bimetal.comm.striping import CpuForwardOptions, build_stripes
 
 HERE = Path(__file__).resolve().parent
@@ -56,7 +56,7 @@ def _world(size: int, body: Callable[[CpuForwardProcessGroup, dist.ProcessGroup,
             stripes = build_stripes(dist.PrefixStore("cf", store), r, size, TIMEOUT, [None] * opts.stripes)
             (ref,) = build_stripes(dist.PrefixStore("ref", store), r, size, TIMEOUT, [None])
             pg = CpuForwardProcessGroup(stripes, r, size, TIMEOUT, opts)
-            pg.stage_all = True  # what BIMETAL_CF_FORCE_STAGING=1 sets at creation
+            pg.state.stage_all = True  # what BIMETAL_CF_FORCE_STAGING=1 sets at creation
             try:
                 body(pg, ref, r)
             finally:
@@ -79,7 +79,7 @@ def test_16_rank_all_gather_runs_in_rounds_in_two_slabs_and_allocations_stay_fla
     seen: dict[int, tuple[int, int, int]] = {}
 
     def body(pg: CpuForwardProcessGroup, ref: dist.ProcessGroup, r: int) -> None:
-        assert isinstance(pg.streams.pair(torch.device("cpu"))[0], HostCopyDouble)
+        assert isinstance(pg.state.streams.pair(torch.device("cpu"))[0], HostCopyDouble)
         g = torch.Generator().manual_seed(r)
         x = torch.randn(10_000, generator=g)  # 40 KB per rank, 17 pieces: 680 KB of staging vs 32 KB of pool
         outs = [torch.empty_like(x) for _ in range(16)]
@@ -87,13 +87,13 @@ def test_16_rank_all_gather_runs_in_rounds_in_two_slabs_and_allocations_stay_fla
         want = [torch.empty_like(x) for _ in range(16)]
         ref.allgather([want], [x]).wait()
         assert all(torch.equal(o, w) for o, w in zip(outs, want))
-        warm = pg.pool.allocations
+        warm = pg.state.pool.allocations
         y = torch.arange(300, dtype=torch.int64) * (r + 1)
         flat = torch.empty(16 * 300, dtype=torch.int64)
         for _ in range(100):
             pg._allgather_base(flat, y).wait()
         assert torch.equal(flat.view(16, 300), torch.arange(300) * torch.arange(1, 17).view(16, 1))
-        seen[r] = (warm, pg.pool.allocations, pg.pool.held_bytes)
+        seen[r] = (warm, pg.state.pool.allocations, pg.state.pool.held_bytes)
 
     _world(16, body, opts)
     assert len(seen) == 16
@@ -198,7 +198,7 @@ def test_uneven_all_to_all_runs_in_rounds_under_the_pool_bound_and_matches_gloo(
             ref_flat = torch.empty(sum(t.numel() for t in outs), dtype=dtype)
             ref.alltoall_base(ref_flat, torch.cat(ins), [t.numel() for t in outs], [t.numel() for t in ins]).wait()
             assert torch.equal(torch.cat(outs), ref_flat), ("all_to_all", dtype, r)
-        held.append((pg.pool.held_bytes, pg.pool.max_bytes, pg.comm_stats()["bytes_staged"]))
+        held.append((pg.state.pool.held_bytes, pg.state.pool.max_bytes, pg.comm_stats()["bytes_staged"]))
 
     _world(size, body, opts)
     assert len(held) == size
@@ -220,7 +220,7 @@ def test_wait_on_a_staged_op_orders_the_callers_stream_instead_of_synchronizing(
         assert end is not None and end.device == torch.device("cpu")
         work.get_future().wait()  # completed: the end event is set, the caller's stream not yet ordered on it
         event = end.event
-        assert isinstance(event, DoubleEvent) and event.stream is pg.streams.pair(torch.device("cpu"))[1]
+        assert isinstance(event, DoubleEvent) and event.stream is pg.state.streams.pair(torch.device("cpu"))[1]
         assert not any(e is event for e in CALLER_DOUBLE.waited)
         work.wait()
         assert any(e is event for e in CALLER_DOUBLE.waited) and event.synchronized == 0

@@ -54,6 +54,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def engine_main(argv: list[str]) -> int:
+    """``bimetal bench engine``: ``bench comm`` with the device-direct rows: gloo, cpu-forward x1, device-direct and
+    the engine alone (``bimetal.bench.engine``), at 4 KiB and 64 MiB, unless the options say otherwise."""
+    args = list(argv)
+    if not any(a.startswith("--transports") for a in args):
+        args += ["--transports", "gloo,cpu-forward,device-direct,dd-engine", "--stripes", "1"]
+    if not any(a.startswith("--sizes") for a in args):
+        args += ["--sizes", "4K,64M"]
+    return main(args)
+
+
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]

@@ -1,4 +1,4 @@
-"""Model arguments: one frozen dataclass per family and the table of flavours.
+"""Model arguments: one frozen dataclass per family, the table of flavours, and ``flavour_args`` to look one up.
 
 ``LlamaArgs`` and ``Qwen2Args`` share ``ModelArgs`` (same fields, different defaults); the family is a
 class attribute, so ``build_model`` can check that the arguments fit the family asked for. Parameter
@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import ClassVar
+
+from bimetal.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -149,3 +151,16 @@ FLAVOURS: dict[str, dict[str, ModelArgs]] = {
                               tie_embeddings=False),
     },
 }
+
+
+def flavour_args(family: str, flavour: str) -> ModelArgs:
+    """The arguments of ``family``'s ``flavour`` (config keys ``model.family`` and ``model.flavour``).
+
+    An unknown pair is a user error that lists every known one.
+    """
+    try:
+        return FLAVOURS[family][flavour]
+    except KeyError:
+        known = ", ".join(f"{f}/{v}" for f, vs in FLAVOURS.items() for v in vs)
+        raise UserError(f"model {family}/{flavour} is unknown; set model.family and model.flavour to one of "
+                        f"{known}.") from None

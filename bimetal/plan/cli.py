@@ -1,5 +1,5 @@
 """`bimetal plan`: rank layouts for a cluster spec, evaluate one layout (``--pp ...`` or ``--config``), or
-price the compatibility ladder (``--ladder``); `bimetal profile` entry point."""
+price the compatibility ladder (``--ladder``)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from bimetal.errors import UserError
 from bimetal.outputs import check_file, write_text
 from bimetal.plan import cost
 from bimetal.plan.explain import breakdown, explain
-from bimetal.plan.profile import profile_main  # noqa: F401  (bimetal profile entry)
 from bimetal.plan.search import Plan, homogeneous, search
 from bimetal.plan.spec import ClusterSpec, load_spec
 
@@ -56,9 +55,6 @@ def _best_tps(vendor: str, model: str, seq: int, gb: int, spec: ClusterSpec) -> 
 
 
 def main(argv: list[str]) -> int:
-    if argv[:1] == ["fit"]:
-        from bimetal.plan.fit import main as fit_main
-        return fit_main(argv[1:])
     ap = ArgumentParser(prog="bimetal plan", description=__doc__,
                                  epilog="`bimetal plan calibrate --lab LAB` compares predictions with the lab; "
                                         "`bimetal plan fit SPEC --bench-comm JSON --out NEW` sets a spec's host-path "

@@ -96,8 +96,6 @@ def _stages(cfg_parallel: object, parts: list[Island], spec: ClusterSpec, allow_
 
 
 def main(argv: list[str]) -> int:
-    if argv[:1] == ["check"]:
-        return check_main(argv[1:])
     a, rest = build_parser().parse_known_args(argv)
     if rest[:1] == ["--"]:
         rest = rest[1:]

@@ -95,12 +95,7 @@ def stage_memory(cfg: TrainConfig, stage: int, device: tuple[str, int] = ("unkno
     from bimetal import models
     from bimetal.train.memory import check_tp, measure_stage, param_bytes
 
-    try:
-        args = models.FLAVOURS[cfg.model.family][cfg.model.flavour]
-    except KeyError:
-        known = ", ".join(f"{f}/{v}" for f, vs in models.FLAVOURS.items() for v in vs)
-        raise UserError(f"model {cfg.model.family}/{cfg.model.flavour} is unknown; set model.family and "
-                        f"model.flavour to one of {known}.") from None
+    args = models.flavour_args(cfg.model.family, cfg.model.flavour)
     p, ac = cfg.parallel, cfg.activation_checkpoint
     check_tp(args, p.tp)
     split = cfg.stage_split(args.n_layers)
@@ -158,7 +153,7 @@ def hop_report(cfg: TrainConfig) -> list[HopCost]:
     spec = load_spec(p.cluster)
     owner = [g for g in spec.groups for _ in range(g.gpus)]
     width = p.dp * p.tp
-    args = models.FLAVOURS[cfg.model.family][cfg.model.flavour]
+    args = models.flavour_args(cfg.model.family, cfg.model.flavour)
     nbytes = cfg.data.batch_size // p.microbatches * cfg.data.seq_len * args.dim * boundary_size(cfg) / p.tp
     seen: dict[tuple[Any, ...], HopCost] = {}
     for i in range(width):  # the pp group of position i: the i-th GPU of every stage

@@ -18,8 +18,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from bimetal.comm.hierarchical import hierarchical_all_reduce
 from bimetal.config import OptimConfig
+from bimetal.parallel.hierarchical import all_reduce_gradients
 
 
 def adamw_implementation(device_type: str) -> dict[str, bool]:
@@ -72,7 +72,8 @@ def build_scheduler(
 
 
 def average_gradients(model: nn.Module, group: dist.ProcessGroup | None, size: int, hierarchical: Any = None) -> int:
-    """Average gradients over the dp group: one flat buffer per step rather than one op per tensor.
+    """Average gradients over the dp group of ``size`` ranks: one flat buffer per dtype rather than one op per
+    tensor (``bimetal.parallel.hierarchical.all_reduce_gradients``).
 
     ``hierarchical`` (``ParallelContext.hierarchical``, set when the dp group spans vendors) switches to the
     two-level reduction: reduce-scatter inside this rank's vendor island on the native back-end, all-reduce
@@ -85,25 +86,11 @@ def average_gradients(model: nn.Module, group: dist.ProcessGroup | None, size: i
     grads = [_local(p.grad) for p in model.parameters() if p.grad is not None]
     if not grads:
         return 0
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    cross = 0
     if hierarchical is None:
-        dist.all_reduce(flat, group=group)
-    else:
-        cross = _hierarchical_sum(flat, hierarchical)
-    flat /= size
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
-    return cross
-
-
-def _hierarchical_sum(flat: torch.Tensor, h: Any) -> int:
-    """Sum ``flat`` over every rank of a vendor-spanning dp group, in place; returns the cross-island bytes."""
-    hierarchical_all_reduce(flat, h.island if h.island_size > 1 else None, h.cross, "sum")
-    shard = -(-flat.numel() // max(1, h.island_size)) if h.island is not None else flat.numel()
-    return shard * flat.element_size()
+        all_reduce_gradients(grads, None, group)
+        return 0
+    island = hierarchical.island if hierarchical.island_size > 1 else None
+    return all_reduce_gradients(grads, island, hierarchical.cross)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -79,10 +79,10 @@ def check_slurm(cfg: TrainConfig, job: SlurmJob) -> None:
 
 def check_model(cfg: TrainConfig, tokenizer: bool = True) -> None:
     """Model, stage split and (``tokenizer``: its file is here) tokenizer, as every rank would check them."""
+    from bimetal.models import flavour_args
     from bimetal.train.tokenizer import build_tokenizer
-    from bimetal.train.trainer import _model_args
 
-    args = _model_args(cfg)
+    args = flavour_args(cfg.model.family, cfg.model.flavour)
     cfg.stage_split(args.n_layers)
     if not tokenizer:
         return
@@ -94,11 +94,11 @@ def check_model(cfg: TrainConfig, tokenizer: bool = True) -> None:
 
 def check_data(cfg: TrainConfig) -> None:
     """The data file: readable, long enough for one step of every replica, and token ids the model embeds."""
+    from bimetal.models import flavour_args
     from bimetal.train.data import load_tokens
     from bimetal.train.tokenizer import build_tokenizer
-    from bimetal.train.trainer import _model_args
 
-    args = _model_args(cfg)
+    args = flavour_args(cfg.model.family, cfg.model.flavour)
     tokens = load_tokens(cfg.data.path, build_tokenizer(cfg.data.tokenizer), cfg.data.bin_dtype)
     dp = cfg.parallel.dp
     need = cfg.data.batch_size * dp * cfg.data.seq_len + 1

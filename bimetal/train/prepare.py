@@ -96,10 +96,11 @@ def _check_transports(cfg: TrainConfig) -> None:
 def _check_tp_divides_model(cfg: TrainConfig) -> None:
     """Refuse a ``parallel.tp`` that does not divide the model's heads, kv heads, MLP width or vocabulary."""
     if cfg.parallel.tp > 1:  # the model's shapes must split by tp; refused here rather than on every rank
+        from bimetal.models import flavour_args
         from bimetal.train.tp import check_tp
-        from bimetal.train.trainer import _model_args
 
-        check_tp(_model_args(cfg), cfg.parallel.tp, f"{cfg.model.family}/{cfg.model.flavour}")
+        m = cfg.model
+        check_tp(flavour_args(m.family, m.flavour), cfg.parallel.tp, f"{m.family}/{m.flavour}")
 
 
 def _auto_layout(ns: argparse.Namespace, overrides: list[str], vendors: list[str]) -> tuple[list[str], str]:
@@ -108,10 +109,11 @@ def _auto_layout(ns: argparse.Namespace, overrides: list[str], vendors: list[str
     given = parse_overrides(overrides)
     if ns.config or {"parallel.pp", "parallel.dp", "parallel.tp"} & set(given):
         return [], ""
-    from bimetal.train.trainer import _model_args
+    from bimetal.models import flavour_args
 
     split_text = given.pop("parallel.layers_per_stage", None)
-    pp, dp = choose_layout(vendors, _model_args(load_config(None, given)).n_layers)
+    m = load_config(None, given).model
+    pp, dp = choose_layout(vendors, flavour_args(m.family, m.flavour).n_layers)
     split = parse_value("parallel.layers_per_stage", split_text) if split_text is not None else []
     if split and len(split) != pp:
         raise UserError(f"parallel.layers_per_stage={split} has {len(split)} entries but the layout chosen from the "
@@ -147,12 +149,13 @@ def check_resume(cfg: TrainConfig) -> None:
     depends on unless ``checkpoint.resume_changed``). The ranks check the one they pick again."""
     if not cfg.checkpoint.resume:
         return
+    from bimetal.models import flavour_args
     from bimetal.train.ckpt_files import check_meta, latest, run_meta
-    from bimetal.train.trainer import _model_args
 
     path = latest(checkpoint_folder(cfg))
     if path is not None:
-        check_meta(path, run_meta(cfg, cfg.stage_split(_model_args(cfg).n_layers)), cfg.checkpoint.resume_changed)
+        layers = flavour_args(cfg.model.family, cfg.model.flavour).n_layers
+        check_meta(path, run_meta(cfg, cfg.stage_split(layers)), cfg.checkpoint.resume_changed)
 
 
 def prepare(ns: argparse.Namespace, rest: list[str]) -> Job:

@@ -85,17 +85,6 @@ def _autocast_dtype(dtype: str, device: torch.device) -> torch.dtype | None:
     return None
 
 
-def _model_args(cfg: TrainConfig) -> Any:
-    from bimetal import models
-
-    try:
-        return models.FLAVOURS[cfg.model.family][cfg.model.flavour]
-    except KeyError:
-        known = ", ".join(f"{f}/{v}" for f, vs in models.FLAVOURS.items() for v in vs)
-        raise UserError(f"model {cfg.model.family}/{cfg.model.flavour} is unknown; set model.family and "
-                        f"model.flavour to one of {known}.") from None
-
-
 class _XvendorMeter:
     """Cross-vendor communication per step, summed over the job.
 
@@ -182,7 +171,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     tokens = load_tokens(cfg.data.path, tok, cfg.data.bin_dtype)  # a missing file fails before any model work
     from bimetal import models
 
-    args = _model_args(cfg)
+    args = models.flavour_args(cfg.model.family, cfg.model.flavour)
     if tok.vocab_size > args.vocab_size:
         raise UserError(f"tokenizer {cfg.data.tokenizer!r} has {tok.vocab_size} tokens but model "
                         f"{cfg.model.family}/{cfg.model.flavour} has only {args.vocab_size}; match them.")

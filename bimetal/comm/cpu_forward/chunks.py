@@ -17,7 +17,7 @@ from typing import Protocol
 
 import torch
 
-from bimetal.comm.staging import PinnedPool, copy_to_device, copy_to_host
+from bimetal.comm.cpu_forward.staging import PinnedPool, copy_to_device, copy_to_host
 
 
 class ChunkIO(Protocol):

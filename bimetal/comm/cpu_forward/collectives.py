@@ -12,7 +12,7 @@ degraded stripe they fail with an error saying so. Each function is the group's 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,26 +31,24 @@ from torch.distributed.distributed_c10d import (
 from bimetal.comm.base import OpRecord
 from bimetal.comm.cpu_forward import rounds
 from bimetal.comm.cpu_forward import staged_ops as so
+from bimetal.comm.cpu_forward.staging import OpEnd, capture, copy_to_device, is_device, on_stream, record_end, settle
+from bimetal.comm.cpu_forward.state import GroupState
 from bimetal.comm.cpu_forward.work import Deadline
-from bimetal.comm.staging import OpEnd, capture, copy_to_device, is_device, on_stream, record_end, settle
-
-if TYPE_CHECKING:
-    from bimetal.comm.cpu_forward.pg import CpuForwardProcessGroup
 
 Host = Callable[[torch.Tensor], torch.Tensor]
 StagedPlan = Callable[[Host, so.Stripe], list[rounds.Staged]]
 
 
-def run(pg: CpuForwardProcessGroup, op: OpRecord, ins: list[torch.Tensor], outs: list[torch.Tensor],
+def run(g: GroupState, op: OpRecord, ins: list[torch.Tensor], outs: list[torch.Tensor],
         call: Callable[[Host], list[Any]], staged: StagedPlan | None = None,
         unpack: Callable[[Host], None] | None = None) -> dist.Work:
     """Run ``call(host)`` on the collective worker; ``host(t)`` is t's host (contiguous) stand-in, and
     ``unpack(host)``, when given, runs once ``call``'s works completed (before the stand-ins are copied to the
     outputs). With device tensors (or staging forced), ``staged(flat, stripe)`` instead: the op in rounds
     through the pool."""
-    if staged is not None and pg.stages(*ins, *outs):
+    if staged is not None and g.stages(*ins, *outs):
         end = OpEnd((ins or outs)[0].device)
-        return pg.workers.submit("collective", op, _staged_body(pg, ins, outs, staged, end), end)
+        return g.workers.submit("collective", op, _staged_body(g, ins, outs, staged, end), end)
 
     def body(d: Deadline) -> list[torch.Tensor]:  # returns the outputs: the future's value, like NCCL's
         stand_in: dict[int, torch.Tensor] = {}
@@ -77,13 +75,13 @@ def run(pg: CpuForwardProcessGroup, op: OpRecord, ins: list[torch.Tensor], outs:
                 t.copy_(h)
                 nbytes += h.numel() * h.element_size()
         nbytes += sum(t.numel() * t.element_size() for t in ins if is_device(t))
-        pg.counters.add(bytes_staged=nbytes)
+        g.counters.add(bytes_staged=nbytes)
         return list(outs)
 
-    return pg.workers.submit("collective", op, body)
+    return g.workers.submit("collective", op, body)
 
 
-def _staged_body(pg: CpuForwardProcessGroup, ins: list[torch.Tensor], outs: list[torch.Tensor],
+def _staged_body(g: GroupState, ins: list[torch.Tensor], outs: list[torch.Tensor],
                  staged: StagedPlan, end: OpEnd) -> Callable[[Deadline], list[torch.Tensor]]:
     """On the caller's thread: flat contiguous views (a contiguous copy, made on the producer's stream, for a
     strided tensor) and the producer's event; the returned body runs the rounds on the worker. The op
@@ -102,30 +100,30 @@ def _staged_body(pg: CpuForwardProcessGroup, ins: list[torch.Tensor], outs: list
     device = end.device
 
     def body(d: Deadline) -> list[torch.Tensor]:
-        streams = pg.streams.pair(device)
-        ops = staged(lambda t: flat[id(t)], lambda i: pg.stripe(i % len(pg.stripes)))
+        streams = g.streams.pair(device)
+        ops = staged(lambda t: flat[id(t)], lambda i: g.stripe(i % len(g.stripes)))
         kept: list[tuple[object, torch.Tensor]] = []
         try:
-            nbytes = sum(rounds.run(s, pg.pool, streams, ready, d, pg.timeout, kept if i == len(ops) - 1 else None)
+            nbytes = sum(rounds.run(s, g.pool, streams, ready, d, g.timeout, kept if i == len(ops) - 1 else None)
                          for i, s in enumerate(ops))
             for t in outs:
                 if not t.is_contiguous():  # (device to device, after the rounds' copies on the same stream)
                     copy_to_device(flat[id(t)].view(t.shape), t, streams[1])
-            pg.counters.add(bytes_staged=nbytes)
+            g.counters.add(bytes_staged=nbytes)
             end.event = record_end(streams[1])
             with on_stream(streams[1]):  # a device-aware future records the stream's position here
                 d.complete(list(outs))
         finally:
-            settle(kept, pg.pool)
+            settle(kept, g.pool)
         return list(outs)
 
     return body
 
 
-def _parts(pg: CpuForwardProcessGroup, h: torch.Tensor) -> list[torch.Tensor]:
+def _parts(g: GroupState, h: torch.Tensor) -> list[torch.Tensor]:
     """An element-wise op's tensor split over the stripes (large tensors only)."""
-    k = len(pg.stripes)
-    if k == 1 or h.numel() * h.element_size() < 2 * pg.options.chunk_bytes:
+    k = len(g.stripes)
+    if k == 1 or h.numel() * h.element_size() < 2 * g.options.chunk_bytes:
         return [h]
     return [p for p in h.view(-1).tensor_split(k) if p.numel()]
 
@@ -138,101 +136,101 @@ def _with(options: Any, **fields: Any) -> Any:
     return o
 
 
-def allreduce(pg: CpuForwardProcessGroup, op: OpRecord, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
+def allreduce(g: GroupState, op: OpRecord, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
     def call(host: Host) -> list[Any]:
-        return [pg.stripe(i).allreduce([part], _with(AllreduceOptions, reduceOp=opts.reduceOp))
-                for t in tensors for i, part in enumerate(_parts(pg, host(t)))]
+        return [g.stripe(i).allreduce([part], _with(AllreduceOptions, reduceOp=opts.reduceOp))
+                for t in tensors for i, part in enumerate(_parts(g, host(t)))]
 
-    return run(pg, op, tensors, tensors, call, lambda f, st: [so.allreduce(f(t), st, opts.reduceOp) for t in tensors])
+    return run(g, op, tensors, tensors, call, lambda f, st: [so.allreduce(f(t), st, opts.reduceOp) for t in tensors])
 
 
-def broadcast(pg: CpuForwardProcessGroup, op: OpRecord, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
+def broadcast(g: GroupState, op: OpRecord, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
     root = opts.rootRank
 
     def call(host: Host) -> list[Any]:
-        return [pg.stripe(i).broadcast([part], _with(BroadcastOptions, rootRank=root))
-                for t in tensors for i, part in enumerate(_parts(pg, host(t)))]
+        return [g.stripe(i).broadcast([part], _with(BroadcastOptions, rootRank=root))
+                for t in tensors for i, part in enumerate(_parts(g, host(t)))]
 
-    return run(pg, op, tensors if pg.rank() == root else [], tensors, call,
-               lambda f, st: [so.broadcast(f(t), st, root, pg.rank()) for t in tensors])
+    return run(g, op, tensors if g.rank == root else [], tensors, call,
+               lambda f, st: [so.broadcast(f(t), st, root, g.rank) for t in tensors])
 
 
-def allgather(pg: CpuForwardProcessGroup, op: OpRecord, output_lists: list[list[torch.Tensor]],
+def allgather(g: GroupState, op: OpRecord, output_lists: list[list[torch.Tensor]],
               inputs: list[torch.Tensor], opts: Any) -> dist.Work:
     outs = [t for lst in output_lists for t in lst]
-    return run(pg, op, inputs, outs, lambda h: [pg.stripe(0).allgather(
+    return run(g, op, inputs, outs, lambda h: [g.stripe(0).allgather(
         [[h(t) for t in lst] for lst in output_lists], [h(t) for t in inputs], AllgatherOptions())],
         lambda f, st: [so.all_gather([f(o) for o in lst], f(i), st) for lst, i in zip(output_lists, inputs)])
 
 
-def allgather_coalesced(pg: CpuForwardProcessGroup, op: OpRecord, output_lists: list[list[torch.Tensor]],
+def allgather_coalesced(g: GroupState, op: OpRecord, output_lists: list[list[torch.Tensor]],
                         inputs: list[torch.Tensor], opts: Any) -> dist.Work:
     outs = [t for lst in output_lists for t in lst]
-    return run(pg, op, inputs, outs, lambda h: [pg.stripe(0).allgather_coalesced(
+    return run(g, op, inputs, outs, lambda h: [g.stripe(0).allgather_coalesced(
         [[h(t) for t in lst] for lst in output_lists], [h(t) for t in inputs], AllgatherOptions())])
 
 
-def all_gather_into(pg: CpuForwardProcessGroup, op: OpRecord, output: torch.Tensor, input: torch.Tensor,
+def all_gather_into(g: GroupState, op: OpRecord, output: torch.Tensor, input: torch.Tensor,
                     opts: Any) -> dist.Work:
-    return run(pg, op, [input], [output], lambda h: [
-        pg.stripe(0)._allgather_base(h(output), h(input), AllgatherOptions())],
-        lambda f, st: [so.all_gather_into(f(output), f(input), st, pg.size())])
+    return run(g, op, [input], [output], lambda h: [
+        g.stripe(0)._allgather_base(h(output), h(input), AllgatherOptions())],
+        lambda f, st: [so.all_gather_into(f(output), f(input), st, g.size)])
 
 
-def all_gather_into_coalesced(pg: CpuForwardProcessGroup, op: OpRecord, outputs: list[torch.Tensor],
+def all_gather_into_coalesced(g: GroupState, op: OpRecord, outputs: list[torch.Tensor],
                               inputs: list[torch.Tensor], opts: Any) -> dist.Work:
-    return run(pg, op, inputs, outputs, lambda h: [
-        pg.stripe(0)._allgather_base(h(o), h(i), AllgatherOptions()) for o, i in zip(outputs, inputs)],
-        lambda f, st: [so.all_gather_into(f(o), f(i), st, pg.size()) for o, i in zip(outputs, inputs)])
+    return run(g, op, inputs, outputs, lambda h: [
+        g.stripe(0)._allgather_base(h(o), h(i), AllgatherOptions()) for o, i in zip(outputs, inputs)],
+        lambda f, st: [so.all_gather_into(f(o), f(i), st, g.size) for o, i in zip(outputs, inputs)])
 
 
-def reduce_scatter(pg: CpuForwardProcessGroup, op: OpRecord, outputs: list[torch.Tensor],
+def reduce_scatter(g: GroupState, op: OpRecord, outputs: list[torch.Tensor],
                    input_lists: list[list[torch.Tensor]], opts: Any) -> dist.Work:
     ins = [t for lst in input_lists for t in lst]
-    return run(pg, op, ins, outputs, lambda h: [pg.stripe(0).reduce_scatter(
+    return run(g, op, ins, outputs, lambda h: [g.stripe(0).reduce_scatter(
         [h(t) for t in outputs], [[h(t) for t in lst] for lst in input_lists],
         _with(ReduceScatterOptions, reduceOp=opts.reduceOp))], lambda f, st: [
         so.reduce_scatter(f(o), [f(t) for t in lst], st, opts.reduceOp) for o, lst in zip(outputs, input_lists)])
 
 
-def reduce_scatter_into(pg: CpuForwardProcessGroup, op: OpRecord, output: torch.Tensor, input: torch.Tensor,
+def reduce_scatter_into(g: GroupState, op: OpRecord, output: torch.Tensor, input: torch.Tensor,
                         opts: Any) -> dist.Work:
-    return run(pg, op, [input], [output], lambda h: [pg.stripe(0)._reduce_scatter_base(
+    return run(g, op, [input], [output], lambda h: [g.stripe(0)._reduce_scatter_base(
         h(output), h(input), _with(ReduceScatterOptions, reduceOp=opts.reduceOp))], lambda f, st: [
-        so.reduce_scatter_into(f(output), f(input), st, pg.size(), opts.reduceOp)])
+        so.reduce_scatter_into(f(output), f(input), st, g.size, opts.reduceOp)])
 
 
-def reduce_scatter_into_coalesced(pg: CpuForwardProcessGroup, op: OpRecord, outputs: list[torch.Tensor],
+def reduce_scatter_into_coalesced(g: GroupState, op: OpRecord, outputs: list[torch.Tensor],
                                   inputs: list[torch.Tensor], opts: Any) -> dist.Work:
-    return run(pg, op, inputs, outputs, lambda h: [pg.stripe(0)._reduce_scatter_base(
+    return run(g, op, inputs, outputs, lambda h: [g.stripe(0)._reduce_scatter_base(
         h(out), h(inp), _with(ReduceScatterOptions, reduceOp=opts.reduceOp)) for out, inp in zip(outputs, inputs)],
-        lambda f, st: [so.reduce_scatter_into(f(o), f(i), st, pg.size(), opts.reduceOp)
+        lambda f, st: [so.reduce_scatter_into(f(o), f(i), st, g.size, opts.reduceOp)
                        for o, i in zip(outputs, inputs)])
 
 
-def alltoall_single(pg: CpuForwardProcessGroup, op: OpRecord, output: torch.Tensor, input: torch.Tensor,
+def alltoall_single(g: GroupState, op: OpRecord, output: torch.Tensor, input: torch.Tensor,
                     output_split_sizes: list[int], input_split_sizes: list[int], opts: Any) -> dist.Work:
-    size = pg.size()
+    size = g.size
     equal = all(len(set(s)) <= 1 for s in (output_split_sizes, input_split_sizes)) and \
         input.numel() % size == 0 and output.numel() == input.numel()
 
     def uneven(f: Host, st: so.Stripe) -> list[rounds.Staged]:
         outs = _split(f(output), output, output_split_sizes, size)
         ins = _split(f(input), input, input_split_sizes, size)
-        return [so.all_to_all_uneven(outs, ins, st, _agreed_unit(pg, outs + ins))]
+        return [so.all_to_all_uneven(outs, ins, st, _agreed_unit(g, outs + ins))]
 
-    return run(pg, op, [input], [output], lambda h: [pg.stripe(0).alltoall_base(
+    return run(g, op, [input], [output], lambda h: [g.stripe(0).alltoall_base(
         h(output), h(input), output_split_sizes, input_split_sizes, AllToAllOptions())],
         (lambda f, st: [so.all_to_all_equal(f(output), f(input), st, size)]) if equal else uneven)
 
 
-def alltoall(pg: CpuForwardProcessGroup, op: OpRecord, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+def alltoall(g: GroupState, op: OpRecord, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
              opts: Any) -> dist.Work:
     equal = len({t.numel() for t in (*inputs, *outputs)}) == 1
 
     def uneven(f: Host, st: so.Stripe) -> list[rounds.Staged]:
         outs, ins = [f(t) for t in outputs], [f(t) for t in inputs]
-        return [so.all_to_all_uneven(outs, ins, st, _agreed_unit(pg, outs + ins))]
+        return [so.all_to_all_uneven(outs, ins, st, _agreed_unit(g, outs + ins))]
 
     # Gloo's list all-to-all is missing from some torch releases (2.11): one alltoall_base on packed copies
     outs_n, ins_n = [t.numel() for t in outputs], [t.numel() for t in inputs]
@@ -241,7 +239,7 @@ def alltoall(pg: CpuForwardProcessGroup, op: OpRecord, outputs: list[torch.Tenso
     def call(h: Host) -> list[Any]:
         packed_out.append(torch.empty(sum(outs_n), dtype=outputs[0].dtype))
         packed_in = torch.cat([h(t).reshape(-1) for t in inputs])
-        return [pg.stripe(0).alltoall_base(packed_out[0], packed_in, outs_n, ins_n, AllToAllOptions())]
+        return [g.stripe(0).alltoall_base(packed_out[0], packed_in, outs_n, ins_n, AllToAllOptions())]
 
     def unpack(h: Host) -> None:
         for t, part in zip(outputs, packed_out[0].split(outs_n)):
@@ -250,7 +248,7 @@ def alltoall(pg: CpuForwardProcessGroup, op: OpRecord, outputs: list[torch.Tenso
     def equal_plan(f: Host, st: so.Stripe) -> list[rounds.Staged]:
         return [so.all_to_all([f(t) for t in outputs], [f(t) for t in inputs], st)]
 
-    return run(pg, op, inputs, outputs, call, equal_plan if equal else uneven, unpack)
+    return run(g, op, inputs, outputs, call, equal_plan if equal else uneven, unpack)
 
 
 def _split(flat: torch.Tensor, t: torch.Tensor, splits: list[int], size: int) -> list[torch.Tensor]:
@@ -260,39 +258,39 @@ def _split(flat: torch.Tensor, t: torch.Tensor, splits: list[int], size: int) ->
     return list(flat.split(counts))
 
 
-def _agreed_unit(pg: CpuForwardProcessGroup, parts: list[torch.Tensor]) -> int:
+def _agreed_unit(g: GroupState, parts: list[torch.Tensor]) -> int:
     """The longest part of an uneven all-to-all on any rank (one 8-byte max all-reduce on stripe 0, in the
     collective's turn): every rank must cut it into the same rounds, and each knows only its own splits."""
     longest = torch.tensor([max((p.numel() for p in parts), default=0)], dtype=torch.int64)
     o = AllreduceOptions()
     o.reduceOp = dist.ReduceOp.MAX  # type: ignore[assignment]
-    pg.stripe(0).allreduce([longest], o).wait()
+    g.stripe(0).allreduce([longest], o).wait()
     return int(longest.item())
 
 
-def barrier(pg: CpuForwardProcessGroup, op: OpRecord, opts: Any) -> dist.Work:
-    return run(pg, op, [], [], lambda h: [pg.stripe(0).barrier(BarrierOptions())])
+def barrier(g: GroupState, op: OpRecord, opts: Any) -> dist.Work:
+    return run(g, op, [], [], lambda h: [g.stripe(0).barrier(BarrierOptions())])
 
 
-def scatter(pg: CpuForwardProcessGroup, op: OpRecord, outputs: list[torch.Tensor],
+def scatter(g: GroupState, op: OpRecord, outputs: list[torch.Tensor],
             input_lists: list[list[torch.Tensor]], opts: Any) -> dist.Work:
     ins = [t for lst in input_lists for t in lst]
-    return run(pg, op, ins, outputs, lambda h: [pg.stripe(0).scatter(
+    return run(g, op, ins, outputs, lambda h: [g.stripe(0).scatter(
         [h(t) for t in outputs], [[h(t) for t in lst] for lst in input_lists],
         _with(ScatterOptions, rootRank=opts.rootRank))], lambda f, st: [
-        so.scatter(f(outputs[0]), [f(t) for t in ins], st, opts.rootRank, pg.size())])
+        so.scatter(f(outputs[0]), [f(t) for t in ins], st, opts.rootRank, g.size)])
 
 
-def gather(pg: CpuForwardProcessGroup, op: OpRecord, output_lists: list[list[torch.Tensor]],
+def gather(g: GroupState, op: OpRecord, output_lists: list[list[torch.Tensor]],
            inputs: list[torch.Tensor], opts: Any) -> dist.Work:
     outs = [t for lst in output_lists for t in lst]
-    return run(pg, op, inputs, outs, lambda h: [pg.stripe(0).gather(
+    return run(g, op, inputs, outs, lambda h: [g.stripe(0).gather(
         [[h(t) for t in lst] for lst in output_lists], [h(t) for t in inputs],
         _with(GatherOptions, rootRank=opts.rootRank))], lambda f, st: [
-        so.gather([f(t) for t in outs], f(inputs[0]), st, opts.rootRank, pg.size())])
+        so.gather([f(t) for t in outs], f(inputs[0]), st, opts.rootRank, g.size)])
 
 
-def reduce(pg: CpuForwardProcessGroup, op: OpRecord, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
-    return run(pg, op, tensors, tensors, lambda h: [pg.stripe(0).reduce([h(t) for t in tensors], _with(
+def reduce(g: GroupState, op: OpRecord, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
+    return run(g, op, tensors, tensors, lambda h: [g.stripe(0).reduce([h(t) for t in tensors], _with(
         ReduceOptions, reduceOp=opts.reduceOp, rootRank=opts.rootRank, rootTensor=opts.rootTensor))], lambda f, st: [
         so.reduce(f(t), st, opts.reduceOp, opts.rootRank) for t in tensors])

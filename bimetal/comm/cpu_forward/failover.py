@@ -149,7 +149,7 @@ class Transfer:
         bufs = {s: torch.zeros(HEADER + words + self.k, dtype=torch.int64) for s in self.stripes.alive()}
 
         def first(s: int) -> None:  # the receiver's dead stripes are dead: no need to wait them out here
-            mask = Status.parse(bufs[s], self, round_).dead_mask
+            mask = Status.parse(bufs[s], round_, self.number, self.chunks, self.k, self.d.op).dead_mask
             for o in self.stripes.alive():
                 if mask >> o & 1:
                     self.kill(o, "the peer found it dead")
@@ -157,7 +157,7 @@ class Transfer:
         got = [bufs[s] for s in self._exchange("recv", bufs, first)]
         if any(not torch.equal(g, got[0]) for g in got[1:]):
             raise TransportError(f"{self.d.op.describe()}: the peer's status messages disagree (not used)")
-        return Status.parse(got[0], self, round_)
+        return Status.parse(got[0], round_, self.number, self.chunks, self.k, self.d.op)
 
     def _exchange(self, kind: str, bufs: dict[int, torch.Tensor],
                   first: Callable[[int], None] | None = None) -> list[int]:

@@ -90,14 +90,15 @@ def inject_fault(group: Any, kind: str, stripe: int = 0, after: int = 0) -> None
     """Wrap the stripes of cpu-forward ``group`` (this rank only) with a ``"corrupt"`` or ``"stall"`` fault."""
     if not isinstance(group, CpuForwardProcessGroup):
         raise TypeError(f"inject_fault needs a cpu-forward group, not {type(group).__name__}")
+    stripes = group.state.stripes  # (the list ``links`` holds too)
     if kind == "stall":
-        if not 0 <= stripe < len(group.stripes):
-            raise ValueError(f"no stripe {stripe}; this group has {len(group.stripes)}")
-        group.stripes[stripe] = StallingStripe(group.stripes[stripe], after)  # (the list ``links`` holds too)
+        if not 0 <= stripe < len(stripes):
+            raise ValueError(f"no stripe {stripe}; this group has {len(stripes)}")
+        stripes[stripe] = StallingStripe(stripes[stripe], after)
     elif kind == "corrupt":
         armed = threading.Event()
         armed.set()
-        for s, inner in enumerate(group.stripes):
-            group.stripes[s] = CorruptingStripe(inner, armed)
+        for s, inner in enumerate(stripes):
+            stripes[s] = CorruptingStripe(inner, armed)
     else:
         raise ValueError(f"unknown fault {kind!r}; expected 'corrupt' or 'stall'")

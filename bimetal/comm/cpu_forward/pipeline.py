@@ -1,24 +1,22 @@
 """Point-to-point of one stripe on staged tensors (device tensors, or CPU ones with staging forced): the chunk I/O
 of ``chunks`` (the same staged sources and sinks failover uses with K stripes) driven in order by ``pump``,
 ``depth`` chunks on the wire, the device-to-host copies of later chunks queued while earlier ones are on the wire
-(send), each arrival copied to the device while later chunks still arrive (receive). ``pg`` is the
-``CpuForwardProcessGroup``.
+(send), each arrival copied to the device while later chunks still arrive (receive). ``g`` is the
+group's state (``state.GroupState``).
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from bimetal.comm.cpu_forward.chunks import StagedRecv, StagedSend
+from bimetal.comm.cpu_forward.staging import OpEnd, after, copy_to_device, on_stream, record_end, settle
+from bimetal.comm.cpu_forward.state import GroupState
 from bimetal.comm.cpu_forward.work import Deadline
-from bimetal.comm.staging import OpEnd, after, copy_to_device, on_stream, record_end, settle
-
-if TYPE_CHECKING:
-    from bimetal.comm.cpu_forward.pg import CpuForwardProcessGroup
 
 
 def pump(io: StagedSend | StagedRecv, plan: list[tuple[int, int]], post: Callable[[int, torch.Tensor], Any],
@@ -47,38 +45,38 @@ def pump(io: StagedSend | StagedRecv, plan: list[tuple[int, int]], post: Callabl
         retire()
 
 
-def send_staged(pg: CpuForwardProcessGroup, tensor: torch.Tensor, dst: int, tag: int, first: int, d: Deadline,
+def send_staged(g: GroupState, tensor: torch.Tensor, dst: int, tag: int, first: int, d: Deadline,
                 ready: object | None = None) -> None:
     flat = tensor.detach().reshape(-1)
-    d2h, _ = pg.streams.pair(tensor.device)
+    d2h, _ = g.streams.pair(tensor.device)
     after(d2h, ready)
-    plan = pg.plan(flat.numel(), flat.element_size(), first)
-    depth = pg.depth()
-    io = StagedSend(flat, [(a, b) for a, b, _ in plan], pg.pool, d2h, pg.timeout, pg.pool_numel(flat),
+    plan = g.plan(flat.numel(), flat.element_size(), first)
+    depth = g.depth()
+    io = StagedSend(flat, [(a, b) for a, b, _ in plan], g.pool, d2h, g.timeout, g.pool_numel(flat),
                     list(range(len(plan))), depth)
     try:
-        pump(io, [(j, s) for j, (_, _, s) in enumerate(plan)], lambda s, buf: pg.stripes[s].send([buf], dst, tag),
+        pump(io, [(j, s) for j, (_, _, s) in enumerate(plan)], lambda s, buf: g.stripes[s].send([buf], dst, tag),
              d, depth)
     finally:
         io.close()
     nbytes = flat.numel() * flat.element_size()
-    pg.counters.add(bytes_sent=nbytes, bytes_staged=nbytes)
+    g.counters.add(bytes_sent=nbytes, bytes_staged=nbytes)
 
 
-def recv_staged(pg: CpuForwardProcessGroup, tensor: torch.Tensor, src: int, tag: int, first: int, d: Deadline,
+def recv_staged(g: GroupState, tensor: torch.Tensor, src: int, tag: int, first: int, d: Deadline,
                 end: OpEnd, ready: object | None = None) -> None:
     out = tensor.detach().view(-1) if tensor.is_contiguous() else torch.empty_like(tensor).view(-1)
-    _, h2d = pg.streams.pair(tensor.device)
+    _, h2d = g.streams.pair(tensor.device)
     after(h2d, ready)
-    plan = pg.plan(out.numel(), out.element_size(), first)
-    depth = pg.depth()
-    io = StagedRecv(out, [(a, b) for a, b, _ in plan], pg.pool, h2d, pg.timeout, depth, pg.pool_numel(out))
-    pump(io, [(j, s) for j, (_, _, s) in enumerate(plan)], lambda s, buf: pg.stripes[s].recv([buf], src, tag),
+    plan = g.plan(out.numel(), out.element_size(), first)
+    depth = g.depth()
+    io = StagedRecv(out, [(a, b) for a, b, _ in plan], g.pool, h2d, g.timeout, depth, g.pool_numel(out))
+    pump(io, [(j, s) for j, (_, _, s) in enumerate(plan)], lambda s, buf: g.stripes[s].recv([buf], src, tag),
          d, depth)
-    complete_in_stream_order(pg, io, tensor, out, h2d, end, d)
+    complete_in_stream_order(g, io, tensor, out, h2d, end, d)
 
 
-def complete_in_stream_order(pg: CpuForwardProcessGroup, io: StagedRecv, tensor: torch.Tensor, out: torch.Tensor,
+def complete_in_stream_order(g: GroupState, io: StagedRecv, tensor: torch.Tensor, out: torch.Tensor,
                              h2d: object, end: OpEnd, d: Deadline) -> None:
     """Every chunk of a staged receive is in and its last copies are enqueued: complete the op for its caller
     (``end``'s event; ``wait()`` orders the caller's stream on it), then wait for the copies, free their slabs."""
@@ -87,9 +85,9 @@ def complete_in_stream_order(pg: CpuForwardProcessGroup, io: StagedRecv, tensor:
         if not tensor.is_contiguous():  # (device to device, after the chunks' copies on the same stream)
             copy_to_device(out.view(tensor.shape), tensor.detach(), h2d)
         nbytes = out.numel() * out.element_size()
-        pg.counters.add(bytes_received=nbytes, bytes_staged=nbytes)
+        g.counters.add(bytes_received=nbytes, bytes_staged=nbytes)
         end.event = record_end(h2d)
         with on_stream(h2d):  # a device-aware future records the stream's position here
             d.complete([tensor])
     finally:
-        settle(kept, pg.pool)
+        settle(kept, g.pool)

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
+from bimetal.comm.cpu_forward.staging import PinnedPool, after, aligned, copy_to_device, copy_to_host, plan_rounds
 from bimetal.comm.cpu_forward.work import Deadline
-from bimetal.comm.staging import PinnedPool, after, aligned, copy_to_device, copy_to_host, plan_rounds
 
 Slices = Callable[[int, int], list[torch.Tensor]]
 """(a, b) -> the device slices of a round: each one tensor's part of [a, b), b - a elements or fewer (a part of

@@ -5,15 +5,10 @@ shares]``, encoded here and validated field by field when it comes off the netwo
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-from bimetal.comm.base import TransportError
+from bimetal.comm.base import OpRecord, TransportError
 from bimetal.comm.cpu_forward.balance import WEIGHT_SCALE
-
-if TYPE_CHECKING:
-    from bimetal.comm.cpu_forward.failover import Transfer
 
 MAGIC = 0x626D6631  # "bmf1"
 HEADER = 6
@@ -44,23 +39,25 @@ class Status:
                             dtype=torch.int64)
 
     @staticmethod
-    def parse(raw: torch.Tensor, t: Transfer, round_: int) -> Status:
+    def parse(raw: torch.Tensor, round_: int, number: int, chunks: int, k: int, op: OpRecord) -> Status:
+        """The status of round ``round_`` of transfer ``number`` (``chunks`` chunks over ``k`` stripes, for ``op``),
+        or a ``TransportError`` naming every field that is wrong."""
         v = [int(x) for x in raw.tolist()]
-        magic, number, rnd, flags, mask, count = v[:HEADER]
-        words = word_count(t.chunks)
+        magic, got, rnd, flags, mask, count = v[:HEADER]
+        words = word_count(chunks)
         shares = v[HEADER + words:]
         v = v[:HEADER + words]
         missing = [w * 32 + b for w, word in enumerate(v[HEADER:]) for b in range(32) if word >> b & 1]
         problems = [name for name, bad in (
-            ("magic", magic != MAGIC), ("transfer number", number != t.number), ("round", rnd != round_),
-            ("flags", flags not in (DONE, MORE, CORRUPT)), ("dead mask", not 0 <= mask < 1 << t.k),
+            ("magic", magic != MAGIC), ("transfer number", got != number), ("round", rnd != round_),
+            ("flags", flags not in (DONE, MORE, CORRUPT)), ("dead mask", not 0 <= mask < 1 << k),
             ("missing count", count != len(missing) or (flags == MORE) != (count > 0)),
-            ("missing chunk", any(j >= t.chunks for j in missing) or any(w >> 32 for w in v[HEADER:])),
-            ("alive stripes", flags == MORE and mask == (1 << t.k) - 1),
-            ("stripe weights", len(shares) not in (0, t.k) or any(not 0 <= w <= WEIGHT_SCALE for w in shares)
-             or (any(shares) and (not any(shares[s] for s in range(t.k) if not mask >> s & 1)
-                                  or any(shares[s] for s in range(t.k) if mask >> s & 1))))) if bad]
+            ("missing chunk", any(j >= chunks for j in missing) or any(w >> 32 for w in v[HEADER:])),
+            ("alive stripes", flags == MORE and mask == (1 << k) - 1),
+            ("stripe weights", len(shares) not in (0, k) or any(not 0 <= w <= WEIGHT_SCALE for w in shares)
+             or (any(shares) and (not any(shares[s] for s in range(k) if not mask >> s & 1)
+                                  or any(shares[s] for s in range(k) if mask >> s & 1))))) if bad]
         if problems:
-            raise TransportError(f"{t.d.op.describe()}: malformed status from the peer (bad "
+            raise TransportError(f"{op.describe()}: malformed status from the peer (bad "
                                  f"{', '.join(problems)}); not used")
-        return Status(flags, mask, missing, t.k, shares if any(shares) else None)
+        return Status(flags, mask, missing, k, shares if any(shares) else None)

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from bimetal.comm.base import OpRecord, TransportError, TransportTimeout, make_work
-from bimetal.comm.staging import OpEnd
+from bimetal.comm.cpu_forward.staging import OpEnd
 
 
 class Timed(Protocol):

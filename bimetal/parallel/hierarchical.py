@@ -7,7 +7,8 @@ drives its own share (all NICs of the island work in parallel):
    device-direct);
 3. native all-gather inside each island.
 Islands must have equal sizes (the layout refuses others: ``bimetal.parallel.groups``). The result
-equals a flat all-reduce up to floating-point summation order.
+equals a flat all-reduce up to floating-point summation order. ``all_reduce_gradients`` is the trainer's
+gradient averaging over dp (``bimetal.train.optim``), hierarchical or flat.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ import torch.distributed as dist
 from bimetal.errors import UserError
 
 
-def hierarchical_all_reduce(tensor: torch.Tensor, island: dist.ProcessGroup | None, cross: dist.ProcessGroup,
-                            op: str = "sum") -> torch.Tensor:
-    """All-reduce ``tensor`` in place over island x cross; ``op`` is ``"sum"`` or ``"avg"``."""
+def hierarchical_all_reduce(tensor: torch.Tensor, island: dist.ProcessGroup | None,
+                            cross: dist.ProcessGroup | None, op: str = "sum") -> torch.Tensor:
+    """All-reduce ``tensor`` in place over island x cross (``island`` None: over ``cross`` alone; ``cross`` None:
+    the default group); ``op`` is ``"sum"`` or ``"avg"``."""
     if op not in ("sum", "avg"):
         raise UserError(f"hierarchical all-reduce supports op 'sum' or 'avg', not {op!r}")
     island_size = dist.get_world_size(island) if island is not None else 1
@@ -44,16 +46,22 @@ def hierarchical_all_reduce(tensor: torch.Tensor, island: dist.ProcessGroup | No
     return tensor
 
 
-def all_reduce_gradients(grads: list[torch.Tensor], island: dist.ProcessGroup | None, cross: dist.ProcessGroup,
-                         op: str = "avg") -> None:
-    """Average a list of gradients hierarchically, bucketed into one flat buffer per dtype."""
+def all_reduce_gradients(grads: list[torch.Tensor], island: dist.ProcessGroup | None,
+                         cross: dist.ProcessGroup | None, op: str = "avg") -> int:
+    """All-reduce a list of gradients in place, bucketed into one flat buffer per dtype: hierarchically over
+    island x cross, or (``island`` None) one all-reduce over ``cross``. Returns the bytes this rank handed to the
+    ``cross`` all-reduce (with an island, its shard of each bucket)."""
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for g in grads:
         by_dtype.setdefault(g.dtype, []).append(g)
+    island_size = dist.get_world_size(island) if island is not None else 1
+    handed = 0
     for group in by_dtype.values():
         flat = torch.cat([g.reshape(-1) for g in group])
         hierarchical_all_reduce(flat, island, cross, op)
+        handed += -(-flat.numel() // island_size) * flat.element_size()
         offset = 0
         for g in group:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
             offset += g.numel()
+    return handed

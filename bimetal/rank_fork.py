@@ -12,8 +12,8 @@ in the launcher to be copied, which ``torch.cuda.is_initialized()`` confirms) an
 torchrun does. What differs from a new interpreter, and why it does not matter to a rank: modules the
 launcher imported are already imported (bimetal keeps no per-process state at import that depends on the
 rank's environment: its caches hold facts of the machine), and variables a library reads only when it is
-loaded (``OMP_NUM_THREADS`` for OpenMP's default) keep the launcher's value; ranks set their thread count
-themselves (``BIMETAL_THREADS``).
+loaded keep the launcher's value, except ``OMP_NUM_THREADS``, which the child applies to torch itself (the
+thread count decides how float sums are split, so the ranks' numbers depend on it).
 """
 
 from __future__ import annotations
@@ -115,6 +115,11 @@ def _child(rank_argv: list[str], env: dict[str, str], fds: tuple[int, int, int, 
     code = 1
     try:
         os.setsid()
+        # Python 3.11 keeps the launcher's thread id as the main thread's native_id in a fork child (3.12 renews
+        # it); code that finds its own main thread in /proc/self/task (the GPU ladder's thread profile) needs ours.
+        set_native_id = getattr(threading.current_thread(), "_set_native_id", None)
+        if set_native_id is not None:
+            set_native_id()
         in_child()
         if fds is not None:
             out_r, out_w, err_r, err_w = fds
@@ -128,6 +133,7 @@ def _child(rank_argv: list[str], env: dict[str, str], fds: tuple[int, int, int, 
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.environ.clear()
         os.environ.update(env)
+        _threads_from(env)
         _fresh_streams(env)
         atexit._clear()  # the launcher's exit handlers are not the rank's
         code = _run(rank_argv)
@@ -142,6 +148,16 @@ def _child(rank_argv: list[str], env: dict[str, str], fds: tuple[int, int, int, 
             with contextlib.suppress(Exception):
                 stream.flush()
         os._exit(code)
+
+
+def _threads_from(env: Mapping[str, str]) -> None:
+    """torch's intra-op thread count as a new interpreter would take it from ``OMP_NUM_THREADS`` (read once, when
+    the library loads, so the launcher's count would stay): it decides how float sums are split, so a rank's
+    numbers depend on it."""
+    torch = sys.modules.get("torch")
+    raw = (env.get("OMP_NUM_THREADS") or "").strip()
+    if torch is not None and raw.isdigit() and int(raw) > 0:
+        torch.set_num_threads(int(raw))
 
 
 def _fresh_streams(env: Mapping[str, str]) -> None:

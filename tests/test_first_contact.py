@@ -223,7 +223,8 @@ def test_step_line_is_a_progress_bar_on_a_terminal_and_plain_lines_elsewhere() -
     assert "\n" not in term.getvalue()  # redrawn in place until a log_every step
 
 
-BAD_VALUES = {"BIMETAL_SIMULATE": "nvidia", "BIMETAL_VENDOR": "intel", "BIMETAL_CF_STRIPES": "abc",
+BAD_VALUES = {"BIMETAL_SIMULATE": "nvidia", "BIMETAL_LAUNCH_FORK": "yes", "BIMETAL_VENDOR": "intel",
+              "BIMETAL_CF_STRIPES": "abc",
               "BIMETAL_CF_IFACES": "eth0,,eth1", "BIMETAL_CF_CHUNK_BYTES": "512", "BIMETAL_CF_POOL_BUFFERS": "1",
               "BIMETAL_CF_CHECKSUM": "yes", "BIMETAL_CF_FORCE_STAGING": "on", "BIMETAL_SIMULATE_DEVICE": "gpu",
               "BIMETAL_CF_STALL_S": "nan", "BIMETAL_DD_PROTOCOL": "ib",

@@ -158,11 +158,11 @@ def _act_bytes() -> int:
     return 2 * 32 * 128 * 4
 
 
-def _exactly(got: list[float], want: list[float], ref: dict[str, Any]) -> None:
-    if torch.backends.cpu.get_cpu_capability() == ref["cpu_capability"]:
-        assert got == want, (got, want)
-    else:  # torch picks other kernels on another CPU capability: float32 rounding may differ
-        assert got == pytest.approx(want, rel=1e-5), (got, want, ref["cpu_capability"])
+def _close(got: list[float], want: list[float], ref: dict[str, Any]) -> None:
+    # The reference was stored on another machine: even at the same CPU capability (AVX512 here and there) the
+    # math libraries block their float32 sums by the CPU's caches, so the last bits may differ (1e-5, as the
+    # parity tests against one process).
+    assert got == pytest.approx(want, rel=1e-5), (got, want, ref["cpu_capability"])
 
 
 @pytest.mark.timeout(300)
@@ -183,8 +183,8 @@ def test_pp4_dp2_trains_per_hop_like_all_gloo(tmp_path: Path) -> None:
         assert rows[f"pp.dp{d}.hop2-3"] == [f"{c},{e}", "amd", "homogeneous-amd", NATIVE]
         assert rows[f"pp.dp{d}.collectives"][-1] == CF
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    _exactly([r["loss"] for r in records], ref["losses"], ref)
-    _exactly([r["grad_norm"] for r in records], ref["grad_norms"], ref)
+    _close([r["loss"] for r in records], ref["losses"], ref)
+    _close([r["grad_norm"] for r in records], ref["grad_norms"], ref)
     assert min(ref["grad_norms"]) > 1.0  # demo.toml's grad_clip: every step is clipped
     # Cross-vendor bytes per step: the crossing hop of each replica, an activation and a gradient per microbatch;
     # step 1 adds the schedule's one-time warm-up (a 4-byte vote each way and replica). With the native hops

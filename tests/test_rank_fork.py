@@ -14,8 +14,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 PROBE = """
-import json, os, sys
-print(json.dumps({"rank": int(os.environ["RANK"]), "argv": sys.argv[1:], "path0": sys.path[0],
+import json, os, sys, threading
+print(json.dumps({"rank": int(os.environ["RANK"]), "main_tid": threading.main_thread().native_id == os.getpid(),
+                  "argv": sys.argv[1:], "path0": sys.path[0], "threads": __import__("torch").get_num_threads(),
                   "preloaded": "torch.distributed.checkpoint" in sys.modules,
                   "own_session": os.getsid(0) == os.getpid(), "vendor": os.environ["BIMETAL_SIMULATE"],
                   "name": __name__}), flush=True)
@@ -25,7 +26,7 @@ if os.environ["RANK"] == "1" and "fail" in sys.argv:
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("BIMETAL_", "RANK", "WORLD_SIZE", "MASTER_"))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("BIMETAL_", "RANK", "WORLD_SIZE", "MASTER_", "OMP_"))}
     return {**env, **extra}
 
 
@@ -50,7 +51,8 @@ def test_forked_ranks_see_what_a_new_interpreter_would_and_fork_zero_starts_one(
         assert sorted(ranks) == [0, 1], proc.stdout
         for row in ranks.values():
             assert row["argv"] == ["--x", "7"] and row["path0"] == str(tmp_path) and row["name"] == "__main__"
-            assert row["own_session"] and row["vendor"] == "nvidia:1,amd:1"
+            assert row["own_session"] and row["vendor"] == "nvidia:1,amd:1" and row["main_tid"]
+            assert row["threads"] == 1  # OMP_NUM_THREADS=1 from the launcher, applied in the fork too
             assert row["preloaded"] is preloaded, (fork, row)
 
 

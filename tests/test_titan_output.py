@@ -55,11 +55,10 @@ def _steps(lines: list[str], rank: int) -> dict[int, tuple[str, float]]:
     return out
 
 
-def _exactly(got: list[float], ref: dict) -> None:
-    if torch.backends.cpu.get_cpu_capability() == ref["cpu_capability"]:
-        assert got == ref["losses"], (got, ref["losses"])
-    else:  # torch picks other kernels on another CPU capability: float32 rounding may differ
-        assert got == pytest.approx(ref["losses"], rel=1e-5), (got, ref)
+def _close(got: list[float], ref: dict) -> None:
+    # Stored on another machine: its math libraries may block float32 sums differently even at the same CPU
+    # capability, so the last bits may differ (1e-5, as the parity tests against one process).
+    assert got == pytest.approx(ref["losses"], rel=1e-5), (got, ref)
 
 
 def test_pp4_interleaved_per_hop_prefixed_filtered_and_like_all_gloo(tmp_path: Path) -> None:
@@ -81,7 +80,7 @@ def test_pp4_interleaved_per_hop_prefixed_filtered_and_like_all_gloo(tmp_path: P
     assert table["pp.hop3-0"] == ["3,0", "amd,nvidia", "cross-vendor", "bimetal_cpu_forward"]  # the wrap-around
     reports = {r: json.loads((tmp_path / "bimetal" / f"rank{r}.json").read_text()) for r in range(4)}
     losses = [e["loss"] for e in reports[3]["losses"]]
-    _exactly(losses, ref)
+    _close(losses, ref)
     # rank 0 holds the first stage: its step line shows the last stage's loss, as rank 3's does
     first, last = _steps(out, 0), _steps(out, 3)
     assert sorted(first) == sorted(last) == [1, 2]

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import asdict, dataclass
 
+from bimetal.config import TrainConfig
 from bimetal.errors import UserError
 from bimetal.topology.records import ClusterView
 
@@ -65,6 +66,18 @@ class ParallelDims:
                 raise LayoutError(f"{name}={list(values)} must hold positive integers")
         if self.shaped and self.allow_cross_vendor_dp:
             raise LayoutError("per-stage shapes keep each stage in one vendor island; drop allow_cross_vendor_dp")
+
+    @classmethod
+    def from_config(cls, cfg: TrainConfig) -> ParallelDims:
+        """The dims of a training config: per-stage lists where its stages differ in tp or dp (only dp_shard
+        differing keeps the uniform layout: FSDP is per stage inside it)."""
+        p = cfg.parallel
+        shapes = cfg.stage_shapes()
+        tps, dps = tuple(t for t, _, _ in shapes), tuple(d for _, d, _ in shapes)
+        if len(set(tps)) == 1 and len(set(dps)) == 1:
+            return cls(pp=p.pp, dp=dps[0], tp=tps[0], allow_cross_vendor_dp=p.allow_cross_vendor_dp)
+        return cls(pp=p.pp, dp=p.dp, tp=p.tp, allow_cross_vendor_dp=p.allow_cross_vendor_dp, tp_per_stage=tps,
+                   dp_per_stage=dps)
 
     @property
     def shaped(self) -> bool:

@@ -11,16 +11,12 @@ from __future__ import annotations
 import math
 from functools import reduce
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from bimetal.config import TrainConfig
 from bimetal.errors import UserError
 from bimetal.topology.slurm import SlurmJob
-
-if TYPE_CHECKING:
-    from bimetal.parallel.layout import ParallelDims
 
 _SAMPLE_TOKENS = 1 << 24  # token ids checked up front in a .bin shard; the ranks check every batch they read
 
@@ -41,17 +37,6 @@ def _summary(vendors: list[str]) -> str:
     return ", ".join(f"{v}:{vendors.count(v)}" for v in dict.fromkeys(vendors))
 
 
-def layout_dims(cfg: TrainConfig) -> ParallelDims:
-    """The ``ParallelDims`` of ``cfg`` (per-stage shapes included)."""
-    from bimetal.parallel.layout import ParallelDims
-
-    p = cfg.parallel
-    shapes = cfg.stage_shapes()
-    return ParallelDims(pp=p.pp, dp=p.dp, tp=p.tp, allow_cross_vendor_dp=p.allow_cross_vendor_dp,
-                        tp_per_stage=tuple(t for t, _, _ in shapes) if cfg.per_stage else (),
-                        dp_per_stage=tuple(d for _, d, _ in shapes) if cfg.per_stage else ())
-
-
 def describe_layout(cfg: TrainConfig) -> str:
     """The layout keys as the user wrote them, for a sentence."""
     p = cfg.parallel
@@ -64,7 +49,7 @@ def describe_layout(cfg: TrainConfig) -> str:
 def check_layout(cfg: TrainConfig, vendors: list[str]) -> None:
     """The layout of ``cfg`` on a simulated cluster of ``vendors`` (one host), refused as the ranks would."""
     from bimetal.parallel.groups import plan_groups
-    from bimetal.parallel.layout import plan_layout
+    from bimetal.parallel.layout import ParallelDims, plan_layout
     from bimetal.parallel.mesh import plan_dp_mesh_groups
     from bimetal.topology.records import ClusterView, RankRecord
 
@@ -74,7 +59,7 @@ def check_layout(cfg: TrainConfig, vendors: list[str]) -> None:
         raise UserError(f"{describe_layout(cfg)} needs {world} ranks but --simulate gives {len(vendors)} "
                         f"({_summary(vendors)}); change one to match.")
     view = ClusterView([RankRecord(r, r, "localhost", v, "cpu", 0) for r, v in enumerate(vendors)])
-    layout = plan_layout(view, layout_dims(cfg))
+    layout = plan_layout(view, ParallelDims.from_config(cfg))
     plan_groups(view, layout, {"pp": p.pp_transport, "dp": p.dp_transport}, simulated=True)
     if cfg.per_stage:
         plan_dp_mesh_groups(view, layout, [sh for _, _, sh in cfg.stage_shapes()], {"dp": p.dp_transport})

@@ -122,3 +122,17 @@ def test_the_dry_run_sizes_each_stage_with_its_own_shape(capsys, monkeypatch) ->
                  "--parallel.tp_per_stage=[1,2]", "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "0: dp=2 (shard 1) tp=1 microbatch 2 | 1: dp=1 (shard 1) tp=2 microbatch 4" in out, out
+
+
+@pytest.mark.parametrize("how", ["option", "plan"])
+def test_titan_refuses_per_stage_shapes(how: str, tmp_path: Path, capsys, monkeypatch) -> None:
+    monkeypatch.delenv("RANK", raising=False)
+    plan = tmp_path / "plan.toml"
+    plan.write_text("[bimetal]\ndp_per_stage = [2, 1]\n")
+    extra = ["--parallel.tp_per_stage=2,1"] if how == "option" else ["--plan", str(plan)]
+    code = main(["titan", "--module", "llama3", "--config", "llama3_debugmodel", "--simulate", "nvidia:2,amd:1",
+                 f"--dump_folder={tmp_path / 'out'}", *extra])
+    err = capsys.readouterr().err
+    assert code == 2 and "cannot run under torchtitan" in err and "Traceback" not in err, err
+    assert ("--parallel.tp_per_stage" if how == "option" else "[bimetal] dp_per_stage") in err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "out").exists(), err

@@ -6,7 +6,8 @@ CPU, 20 steps, a global batch of 16 rows of 64 tokens in 4 global microbatches, 
 * stage 0 dp=2 / stage 1 dp=1 (``nvidia:2,amd:1``): each "amd" microbatch joins the rows of two "nvidia" senders;
 * stage 0 tp=2 / stage 1 tp=1 (``nvidia:2,amd:1``): each "nvidia" tp rank sends its half of the hidden columns;
 * stage 0 dp_shard=2 / stage 1 dp=2 replicated (``nvidia:2,amd:2``): FSDP on one island, plain dp on the other;
-  dp and tp agree, so this is the uniform pipeline (torch's 1F1B) and serves as the equal-shapes reference.
+  dp and tp agree, so this is the uniform pipeline (torch's 1F1B) and serves as the equal-shapes reference;
+* the dp 2/1 row again on device-direct with the GPipe order (the others run 1F1B).
 
 Checked: losses at every step within 1e-5 relative of the one-process run of the same global batch, final weights
 within 1e-5, the HF export equal to the final checkpoint; cross-vendor bytes per step (the transport's own
@@ -34,6 +35,8 @@ ROWS = {
     "dp2-dp1": ("nvidia:2,amd:1", ["--parallel.dp_per_stage=[2,1]"]),
     "tp2-tp1": ("nvidia:2,amd:1", ["--parallel.tp_per_stage=[2,1]", "--parallel.dp_per_stage=[1,1]"]),
     "shard2-dp2": ("nvidia:2,amd:2", ["--parallel.dp_per_stage=[2,2]", "--parallel.dp_shard_per_stage=[2,1]"]),
+    "dp2-dp1-dd-gpipe": ("nvidia:2,amd:1", ["--parallel.dp_per_stage=[2,1]", "--parallel.pp_transport=device-direct",
+                                            "--parallel.schedule=gpipe"]),
 }
 _RUNS: dict[str, tuple[Path, str]] = {}
 
@@ -41,15 +44,16 @@ _RUNS: dict[str, tuple[Path, str]] = {}
 def _shaped(name: str, run: Path, *extra: str) -> subprocess.CompletedProcess:
     simulate, layout = ROWS[name]
     cmd = [EXE, "train", "--config", str(DEMO), *COMMON,
-           *BATCH, *layout, "--parallel.pp_transport=cpu-forward", f"--metrics.run_dir={run}", "--simulate",
+           *BATCH, "--parallel.pp_transport=cpu-forward", *layout, f"--metrics.run_dir={run}", "--simulate",
            simulate, *extra]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=run.parent)
 
 
 def _run(name: str, factory: pytest.TempPathFactory) -> tuple[Path, str]:
     if name not in _RUNS:
-        if (why := _transport_missing("cpu-forward")) is not None:
-            pytest.skip(f"transport cpu-forward not testable: {why}")
+        transport = "device-direct" if "-dd" in name else "cpu-forward"
+        if (why := _transport_missing(transport)) is not None:
+            pytest.skip(f"transport {transport} not testable: {why}")
         run = factory.mktemp(name) / "run"
         r = _shaped(name, run, f"--checkpoint.export_hf={run / 'hf'}")
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
@@ -118,10 +122,10 @@ def test_stage_shapes_match_single_process(name: str, single: Path, tmp_path_fac
 def test_cross_vendor_bytes_equal_those_of_equal_shapes(tmp_path_factory: pytest.TempPathFactory) -> None:
     per_step = {name: {r["step"]: r["xvendor_bytes"] for r in map(json.loads, (_run(name, tmp_path_factory)[0] /
                                                                                 "metrics.jsonl").read_text().splitlines())}
-                for name in ROWS}
+                for name in ROWS if "-dd" not in name or _transport_missing("device-direct") is None}
     payload = 4 * 2 * (4 * SEQ * 128 * 4)  # 4 microbatches x (activation + gradient) of 4 rows x SEQ x 128 float32
     equal = per_step["shard2-dp2"]
-    for name in ("dp2-dp1", "tp2-tp1"):
+    for name in sorted(set(per_step) - {"shard2-dp2"}):
         assert set(per_step[name].values()) == {payload}, per_step[name]
         # torch's pipeline stage exchanges a few bytes once, in step 1; every step after moves the same bytes
         assert {s: b for s, b in per_step[name].items() if s > 1} == {s: b for s, b in equal.items() if s > 1}

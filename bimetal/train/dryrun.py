@@ -124,9 +124,7 @@ def stage_memory(cfg: TrainConfig, stage: int, device: tuple[str, int] = ("unkno
     c = param_bytes(model, tp, dp_shard)
     n = split[stage]
     ckpt = {"none": 0, "full": n, "selective": n // ac.every}[ac.mode]
-    # per-stage layouts run all forwards, then all backwards (bimetal.train.shaped)
-    gpipe = p.schedule == "gpipe" or cfg.per_stage
-    in_flight = p.microbatches if gpipe else min(p.microbatches, p.pp - stage)
+    in_flight = p.microbatches if p.schedule == "gpipe" else min(p.microbatches, p.pp - stage)
     copies = 0 if fsdp else (n - ckpt) * m.block.weight_copies + m.head.weight_copies
     act = (n - ckpt) * m.block.activations + ckpt * m.block_input + m.rope + m.head.activations
     act += m.output if p.pp > 1 else 0  # the output the schedule holds until its gradient (none without one)
@@ -201,7 +199,7 @@ def format_report(cfg: TrainConfig, stages: list[StageMemory]) -> str:
         shape = f"pp={p.pp} stages " + " | ".join(
             f"{s}: dp={dp} (shard {sh}) tp={tp} microbatch {cfg.stage_microbatch(s)}"
             for s, (tp, dp, sh) in enumerate(cfg.stage_shapes())) + \
-            f", global batch {cfg.global_batch} x {cfg.data.seq_len} tokens, gpipe (per-stage shapes), "
+            f", global batch {cfg.global_batch} x {cfg.data.seq_len} tokens, {p.schedule} (per-stage shapes), "
     else:
         shape = (f"pp={p.pp} dp={p.dp} (shard {p.dp_shard}) tp={p.tp} microbatch "
                  f"{cfg.data.batch_size // p.microbatches} x {cfg.data.seq_len} tokens, {p.schedule}, ")

@@ -2,8 +2,8 @@
 
 torch's pipelining schedules pair one rank of each stage (a pipeline group per replica and tp position); when
 stages differ in dp or tp a receiver assembles its rows and columns from several senders, which those schedules
-cannot express. This runner is the naive reference for that case (picotron style): GPipe order, all
-microbatches forward, then all backward in reverse, with explicit ``isend``/``irecv`` of each piece
+cannot express. This runner is the naive reference for that case (picotron style): ``parallel.schedule``'s
+order (1F1B, or GPipe: all forwards, then all backwards), with explicit ``isend``/``irecv`` of each piece
 (``bimetal.parallel.boundary``) over its pair's own group (native inside a vendor, the pp transport across).
 
 Per global microbatch of ``R`` rows, replica ``r`` of a stage with ``dp`` replicas holds rows
@@ -38,8 +38,8 @@ class ShapedRunner:
     """One rank's stage in a per-stage layout; ``step`` runs forward and backward of all microbatches."""
 
     def __init__(self, module: nn.Module, ctx: Any, microbatches: int, global_batch: int, seq: int, hidden: int,
-                 boundary_dtype: torch.dtype, device: torch.device) -> None:
-        self.module, self.ctx, self.device = module, ctx, device
+                 boundary_dtype: torch.dtype, device: torch.device, schedule: str = "1f1b") -> None:
+        self.module, self.ctx, self.device, self.schedule = module, ctx, device, schedule
         layout, me = ctx.layout, ctx.rank
         self.stage, self.n_stages = ctx.stage, ctx.num_stages
         self.is_first, self.is_last = self.stage == 0, self.stage == self.n_stages - 1
@@ -119,54 +119,32 @@ class ShapedRunner:
             self.module.set_reshard_after_backward(last)
             self.module.set_requires_gradient_sync(last)
 
+    def order(self) -> list[tuple[str, int]]:
+        """This stage's sequence of ("f", microbatch) and ("b", microbatch): GPipe (every forward, then every
+        backward) or 1F1B (``stages - stage - 1`` forwards to fill the pipeline, then one forward and one backward
+        in turn, then the remaining backwards); every rank of a stage runs the same order."""
+        m = self.microbatches
+        if self.schedule == "gpipe":
+            return [("f", i) for i in range(m)] + [("b", i) for i in range(m)]
+        warm = min(self.n_stages - self.stage - 1, m)
+        out = [("f", i) for i in range(warm)]
+        for i in range(m - warm):
+            out += [("f", warm + i), ("b", i)]
+        return out + [("b", i) for i in range(m - warm, m)]
+
     def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Forward and backward of every microbatch of the global batch ``x``/``y`` (``[B, seq]``, read by every
         rank); returns the global-mean loss (a 0-d float tensor, the same on every rank)."""
         lo, hi = self.my_rows
         my_cols = self._cols(self.tp, self.ctx.tp_rank)
-        held: list[tuple[torch.Tensor | None, torch.Tensor]] = []
+        held: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
         sends: list[Any] = []
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
-        for m in range(self.microbatches):
-            base = m * self.rows
-            if self.is_first:
-                inp: torch.Tensor | None = None
-                xin = x[base + lo:base + hi]
+        for kind, m in self.order():
+            if kind == "f":
+                held[m] = self._forward(m, x, y, my_cols, sends, loss_sum)
             else:
-                share = self._assemble(self.incoming, lambda p: p.sender, (lo, hi), my_cols)
-                inp = self._gather_cols(share).detach().requires_grad_(True)
-                xin = inp
-            t0 = time.perf_counter()
-            out = self.module(xin)
-            if self.is_last:
-                ce = F.cross_entropy(out.float().reshape(-1, out.size(-1)), y[base + lo:base + hi].reshape(-1),
-                                     reduction="sum")
-                loss_sum += ce.detach()
-                out = ce * (self.dp / (self.global_batch * self.seq))
-            self.compute_s += time.perf_counter() - t0
-            for p in self.outgoing:
-                self._send(p, out.detach()[p.rows[0] - lo:p.rows[1] - lo, :, p.cols[0]:p.cols[1]].to(self.dtype),
-                           p.receiver, sends)
-            held.append((inp, out))
-        for w in sends:
-            w.wait()
-        sends = []
-        for m in reversed(range(self.microbatches)):
-            inp, out = held[m]
-            self._set_sync(m == 0)
-            t0 = time.perf_counter()
-            if self.is_last:
-                out.backward()
-            else:
-                share = self._assemble(self.outgoing, lambda p: p.receiver, (lo, hi), my_cols)
-                grad = self._gather_cols(share).to(out.dtype) * (self.dp / self.next_dp)
-                out.backward(grad)
-            self.compute_s += time.perf_counter() - t0
-            if inp is not None and inp.grad is not None:
-                for p in self.incoming:
-                    block = inp.grad[p.rows[0] - lo:p.rows[1] - lo, :, p.cols[0]:p.cols[1]].to(self.dtype)
-                    self._send(p, block, p.sender, sends)
-            held[m] = (None, out.detach())
+                self._backward(m, *held.pop(m), my_cols, sends)
         for w in sends:
             w.wait()
         # the global mean: only the last stage's tp rank 0 of each replica counts its rows
@@ -174,3 +152,47 @@ class ShapedRunner:
         total = (loss_sum if counted else torch.zeros_like(loss_sum)).cpu().double()
         dist.all_reduce(total)  # the world (Gloo, CPU)
         return (total / (self.global_batch * self.seq)).float().to(self.device)
+
+    def _forward(self, m: int, x: torch.Tensor, y: torch.Tensor, my_cols: tuple[int, int], sends: list[Any],
+                 loss_sum: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Microbatch ``m`` forward: receive (or read) this rank's rows, run the stage, send the pieces on; returns
+        what its backward needs (the input, the output or the scaled loss)."""
+        lo, hi = self.my_rows
+        base = m * self.rows
+        inp: torch.Tensor | None = None
+        if self.is_first:
+            xin = x[base + lo:base + hi]
+        else:
+            share = self._assemble(self.incoming, lambda p: p.sender, (lo, hi), my_cols)
+            inp = self._gather_cols(share).detach().requires_grad_(True)
+            xin = inp
+        t0 = time.perf_counter()
+        out = self.module(xin)
+        if self.is_last:
+            ce = F.cross_entropy(out.float().reshape(-1, out.size(-1)), y[base + lo:base + hi].reshape(-1),
+                                 reduction="sum")
+            loss_sum += ce.detach()
+            out = ce * (self.dp / (self.global_batch * self.seq))
+        self.compute_s += time.perf_counter() - t0
+        for p in self.outgoing:
+            self._send(p, out.detach()[p.rows[0] - lo:p.rows[1] - lo, :, p.cols[0]:p.cols[1]].to(self.dtype),
+                       p.receiver, sends)
+        return inp, out
+
+    def _backward(self, m: int, inp: torch.Tensor | None, out: torch.Tensor, my_cols: tuple[int, int],
+                  sends: list[Any]) -> None:
+        """Microbatch ``m`` backward: receive the output gradient's pieces (scaled to this stage's dp), run the
+        backward, send the input gradient's pieces back."""
+        lo, hi = self.my_rows
+        self._set_sync(m == self.microbatches - 1)
+        t0 = time.perf_counter()
+        if self.is_last:
+            out.backward()
+        else:
+            share = self._assemble(self.outgoing, lambda p: p.receiver, (lo, hi), my_cols)
+            out.backward(self._gather_cols(share).to(out.dtype) * (self.dp / self.next_dp))
+        self.compute_s += time.perf_counter() - t0
+        if inp is not None and inp.grad is not None:
+            for p in self.incoming:
+                block = inp.grad[p.rows[0] - lo:p.rows[1] - lo, :, p.cols[0]:p.cols[1]].to(self.dtype)
+                self._send(p, block, p.sender, sends)

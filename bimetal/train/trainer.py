@@ -289,7 +289,8 @@ def _run(cfg: TrainConfig, ctx: Any, smesh: Any, models: Any, args: Any, split: 
     mb, seq = batch // n_mb, cfg.data.seq_len
     runner: PipelineRunner | ShapedRunner | None = None
     if shaped:
-        runner = ShapedRunner(local, ctx, n_mb, cfg.global_batch, seq, args.dim, local.boundary_dtype, device)
+        runner = ShapedRunner(local, ctx, n_mb, cfg.global_batch, seq, args.dim, local.boundary_dtype, device,
+                              cfg.parallel.schedule)
     elif n_stages > 1:
         # Shapes and dtypes only (meta: no storage; a real [mb, seq, vocab] float32 example of an 8B model at
         # seq 8192 held 4.2 GB for the whole job): the boundary's dtype, and the last stage's logits in it too.

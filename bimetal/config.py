@@ -154,6 +154,13 @@ class ActivationCheckpointConfig:
     """``none``, ``full`` (recompute every transformer block in the backward pass) or ``selective``."""
     every: int = 2
     """With ``selective``: checkpoint every k-th block of each stage (1 = every block)."""
+    mode_per_stage: list[str] = field(default_factory=list)
+    """``mode`` of each pipeline stage, e.g. ``["selective", "none"]`` (what ``bimetal plan --per-stage`` writes);
+    empty: ``mode`` for every stage."""
+
+    def stage_mode(self, stage: int) -> str:
+        """The mode of ``stage``."""
+        return self.mode_per_stage[stage] if self.mode_per_stage else self.mode
 
 
 @dataclass
@@ -230,6 +237,13 @@ class TrainConfig:
         ac = self.activation_checkpoint
         if ac.mode not in ("none", "full", "selective"):
             raise UserError(f"activation_checkpoint.mode={ac.mode!r} is unknown; use none, full or selective.")
+        if ac.mode_per_stage and len(ac.mode_per_stage) != p.pp:
+            raise UserError(f"activation_checkpoint.mode_per_stage={ac.mode_per_stage} has {len(ac.mode_per_stage)} "
+                            f"entries but parallel.pp={p.pp}; give one per stage.")
+        for s, mode in enumerate(ac.mode_per_stage):
+            if mode not in ("none", "full", "selective"):
+                raise UserError(f"stage {s}: activation_checkpoint.mode_per_stage[{s}]={mode!r} is unknown; use "
+                                "none, full or selective.")
         if ac.every < 1:
             raise UserError(f"activation_checkpoint.every={ac.every} must be at least 1.")
         if p.layers_per_stage and len(p.layers_per_stage) != p.pp:
@@ -253,7 +267,7 @@ class TrainConfig:
                                 f"{', '.join(transports.NAMES)}.")
         if p.schedule not in ("1f1b", "gpipe"):
             raise UserError(f"parallel.schedule={p.schedule!r} is unknown; use '1f1b' or 'gpipe'.")
-        if p.microbatches < 1 or self.data.batch_size % p.microbatches:
+        if p.microbatches < 1 or (self.data.batch_size % p.microbatches and not self.per_stage):
             raise UserError(f"data.batch_size={self.data.batch_size} must be a multiple of "
                             f"parallel.microbatches={p.microbatches}.")
         if p.pp_boundary_dtype not in ("compute", "float32"):

@@ -136,3 +136,42 @@ def test_titan_refuses_per_stage_shapes(how: str, tmp_path: Path, capsys, monkey
     assert code == 2 and "cannot run under torchtitan" in err and "Traceback" not in err, err
     assert ("--parallel.tp_per_stage" if how == "option" else "[bimetal] dp_per_stage") in err
     assert len(err.strip().splitlines()) == 1 and not (tmp_path / "out").exists(), err
+
+
+@pytest.mark.parametrize("spec", ["h100_mi300x.toml", "h200_mi325x.toml"])
+def test_the_planner_explains_each_island_and_writes_a_plan_the_dry_run_accepts(spec: str, tmp_path: Path, capsys,
+                                                                                monkeypatch) -> None:
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.chdir(ROOT)  # the written config names the spec relative to the working directory
+    out = tmp_path / "plan.toml"
+    assert main(["plan", f"configs/clusters/{spec}", "--explain", "--per-stage", "--write", str(out)]) == 0
+    text = capsys.readouterr().out
+    island = spec.split("_")[0]
+    assert f"stage 0 ({island}," in text and "stage 1 (" in text, text
+    assert "best per-stage plan: step" in text and "best uniform plan of the search" in text, text
+    assert "predicted gain of per-stage shapes" in text or "per-stage against it" in text, text
+    import tomllib
+
+    written = tomllib.loads(out.read_text())
+    assert len(written["parallel"]["tp_per_stage"]) == 2 and written["data"]["global_batch_size"] == 256
+    assert main(["train", "--config", str(out), "--dry-run"]) == 0  # every stage fits its device
+    assert "fits" in capsys.readouterr().out
+
+
+def test_a_per_stage_search_prices_each_island_with_its_own_shape() -> None:
+    # 16 H100s and 8 MI300Xs, one stage per island: the islands differ in size, so their dp and tp do too,
+    # and each island's best shape is priced on its own fabric and memory.
+    from dataclasses import replace
+
+    from bimetal.plan.shapes import evaluate_rows, search_shapes
+    from bimetal.plan.spec import load_spec
+
+    spec = load_spec(str(ROOT / "configs" / "clusters" / "h100_mi300x.toml"))
+    spec = replace(spec, groups=(replace(spec.groups[0], count=2), spec.groups[1]))
+    best = search_shapes(spec, "llama3-8b", 8192, 256)[0]
+    assert [(s.group, s.tp * s.dp) for s in best.stages] == [("h100", 16), ("mi300x", 8)]
+    assert best.stages[0].tp != best.stages[1].tp or best.stages[0].dp != best.stages[1].dp
+    assert all(not s.rejected for s in best.stages)
+    # a global microbatch of 4 rows cannot be split over dp=8: the MI300X island's tp=1 shape is not offered
+    four = evaluate_rows(spec, "llama3-8b", 8192, 256, 4)
+    assert four is not None and all(a.dp <= 4 for a in four.alternatives[1])

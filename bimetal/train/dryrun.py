@@ -123,7 +123,7 @@ def stage_memory(cfg: TrainConfig, stage: int, device: tuple[str, int] = ("unkno
     m = measure_stage(model, tp, mb, seq, bf16, fsdp=fsdp, boundary_size=size)
     c = param_bytes(model, tp, dp_shard)
     n = split[stage]
-    ckpt = {"none": 0, "full": n, "selective": n // ac.every}[ac.mode]
+    ckpt = {"none": 0, "full": n, "selective": n // ac.every}[ac.stage_mode(stage)]
     in_flight = p.microbatches if p.schedule == "gpipe" else min(p.microbatches, p.pp - stage)
     copies = 0 if fsdp else (n - ckpt) * m.block.weight_copies + m.head.weight_copies
     act = (n - ckpt) * m.block.activations + ckpt * m.block_input + m.rope + m.head.activations
@@ -204,7 +204,9 @@ def format_report(cfg: TrainConfig, stages: list[StageMemory]) -> str:
         shape = (f"pp={p.pp} dp={p.dp} (shard {p.dp_shard}) tp={p.tp} microbatch "
                  f"{cfg.data.batch_size // p.microbatches} x {cfg.data.seq_len} tokens, {p.schedule}, ")
     lines = [f"dry run: {cfg.model.family}/{cfg.model.flavour} " + shape +
-             f"{dtype}, activation checkpoint {ac.mode}" + (f" every {ac.every}" if ac.mode == "selective" else ""),
+             f"{dtype}, activation checkpoint "
+             + (" | ".join(ac.mode_per_stage) if ac.mode_per_stage else ac.mode)
+             + (f" every {ac.every}" if "selective" in (ac.mode, *ac.mode_per_stage) else ""),
              f"{unit} per GPU (1 {unit} = {scale:.0e} bytes):",
              f"{'stage':>5} {'layers':>6} {'mb':>3} {'device':<14} {'params':>7} {'grads':>7} {'optim':>7} "
              f"{'copies':>7} {'gather':>7} {'ugrads':>7} {'recv':>7} {'activ':>7} {'trans':>7} {'total':>7} "

@@ -262,7 +262,7 @@ def _build_stage(cfg: TrainConfig, ctx: Any, models: Any, args: Any, split: list
     if ctx is not None and ctx.tp_size > 1:  # under FSDP the tp dimension of the stage mesh, to compose
         mesh = smesh.tp_mesh if smesh is not None else tp_mesh(ctx.tp_group, device)
         apply_tp(model, mesh)
-    apply_activation_checkpointing(model, cfg.activation_checkpoint)
+    apply_activation_checkpointing(model, cfg.activation_checkpoint, stage)
     local = StageModule(model, amp, device.type, boundary_dtype(cfg.parallel.pp_boundary_dtype, amp))
     if smesh is not None:
         apply_fsdp(local, model, smesh.dp_mesh, pipelined=n_stages > 1, param_dtype=amp)

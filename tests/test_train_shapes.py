@@ -7,17 +7,20 @@ CPU, 20 steps, a global batch of 16 rows of 64 tokens in 4 global microbatches, 
 * stage 0 tp=2 / stage 1 tp=1 (``nvidia:2,amd:1``): each "nvidia" tp rank sends its half of the hidden columns;
 * stage 0 dp_shard=2 / stage 1 dp=2 replicated (``nvidia:2,amd:2``): FSDP on one island, plain dp on the other;
   dp and tp agree, so this is the uniform pipeline (torch's 1F1B) and serves as the equal-shapes reference;
-* the dp 2/1 row again on device-direct with the GPipe order (the others run 1F1B).
+* the dp 2/1 row again on device-direct, uninterrupted: the cpu-forward dp 2/1 run has its "amd" rank kill
+  itself after step 12 and be restarted (``--max-restarts=1``) from the step-10 checkpoint, and its losses must
+  equal these bit for bit. The tp row runs GPipe's order, the others 1F1B.
 
 Checked: losses at every step within 1e-5 relative of the one-process run of the same global batch, final weights
 within 1e-5, the HF export equal to the final checkpoint; cross-vendor bytes per step (the transport's own
-counters, summed over ranks) equal to the equal-shapes row's; resume from step 10 bit-identical; resume onto
-another shape refused in one sentence (exit 2).
+counters, summed over ranks) equal to the equal-shapes row's; a kill and restart, and a resume from the step-10
+checkpoint, bit-identical; resume onto another shape refused in one sentence (exit 2).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -33,20 +36,26 @@ pytestmark = pytest.mark.timeout(300)
 BATCH = ["--data.global_batch_size=16", "--parallel.microbatches=4", "--training.dtype=float32"]
 ROWS = {
     "dp2-dp1": ("nvidia:2,amd:1", ["--parallel.dp_per_stage=[2,1]"]),
-    "tp2-tp1": ("nvidia:2,amd:1", ["--parallel.tp_per_stage=[2,1]", "--parallel.dp_per_stage=[1,1]"]),
+    "tp2-tp1": ("nvidia:2,amd:1", ["--parallel.tp_per_stage=[2,1]", "--parallel.dp_per_stage=[1,1]",
+                                   "--parallel.schedule=gpipe"]),
     "shard2-dp2": ("nvidia:2,amd:2", ["--parallel.dp_per_stage=[2,2]", "--parallel.dp_shard_per_stage=[2,1]"]),
-    "dp2-dp1-dd-gpipe": ("nvidia:2,amd:1", ["--parallel.dp_per_stage=[2,1]", "--parallel.pp_transport=device-direct",
-                                            "--parallel.schedule=gpipe"]),
+    "dp2-dp1-dd": ("nvidia:2,amd:1", ["--parallel.dp_per_stage=[2,1]", "--parallel.pp_transport=device-direct"]),
 }
+KILLED = {"dp2-dp1": "2:12"}
+"""Rows whose rank kills itself after a step (``BIMETAL_FAULT_KILL``); torchrun restarts it from step 10."""
 _RUNS: dict[str, tuple[Path, str]] = {}
 
 
-def _shaped(name: str, run: Path, *extra: str) -> subprocess.CompletedProcess:
+def _shaped(name: str, run: Path, *extra: str, kill: str = "") -> subprocess.CompletedProcess:
     simulate, layout = ROWS[name]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BIMETAL_FAULT")}
+    if kill:
+        env["BIMETAL_FAULT_KILL"] = kill
+        extra = (*extra, "--max-restarts=1")
     cmd = [EXE, "train", "--config", str(DEMO), *COMMON,
            *BATCH, "--parallel.pp_transport=cpu-forward", *layout, f"--metrics.run_dir={run}", "--simulate",
            simulate, *extra]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=run.parent)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=run.parent, env=env)
 
 
 def _run(name: str, factory: pytest.TempPathFactory) -> tuple[Path, str]:
@@ -55,9 +64,9 @@ def _run(name: str, factory: pytest.TempPathFactory) -> tuple[Path, str]:
         if (why := _transport_missing(transport)) is not None:
             pytest.skip(f"transport {transport} not testable: {why}")
         run = factory.mktemp(name) / "run"
-        r = _shaped(name, run, f"--checkpoint.export_hf={run / 'hf'}")
+        r = _shaped(name, run, f"--checkpoint.export_hf={run / 'hf'}", kill=KILLED.get(name, ""))
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-        _RUNS[name] = (run, r.stdout)
+        _RUNS[name] = (run, r.stdout + r.stderr)
     return _RUNS[name]
 
 
@@ -132,6 +141,17 @@ def test_cross_vendor_bytes_equal_those_of_equal_shapes(tmp_path_factory: pytest
         assert 0 <= equal[1] - per_step[name][1] <= 64
     summary = json.loads((_run("tp2-tp1", tmp_path_factory)[0] / "summary.json").read_text())
     assert summary["xvendor_source"] == "pp: transport counters" and summary["pp_transport"] == "bimetal_cpu_forward"
+
+
+def test_a_killed_rank_restarts_and_stays_bit_identical(tmp_path_factory: pytest.TempPathFactory) -> None:
+    run, out = _run("dp2-dp1", tmp_path_factory)
+    assert "rank 2 kills itself after step 12" in out and "resumed from" in out, out[-3000:]
+    if (why := _transport_missing("device-direct")) is not None:
+        pytest.skip(f"the uninterrupted twin runs on device-direct: {why}")
+    twin, _ = _run("dp2-dp1-dd", tmp_path_factory)
+    killed, uninterrupted = _losses(run), _losses(twin)
+    assert sorted(killed) == list(range(1, 21))
+    assert all(killed[s] == uninterrupted[s] for s in killed), [(s, killed[s], uninterrupted[s]) for s in killed]
 
 
 def test_resume_is_identical_and_another_shape_is_refused(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path

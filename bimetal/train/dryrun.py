@@ -13,7 +13,7 @@ memory, the same margin the planner leaves. Exit status 0 when every stage fits,
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from bimetal.config import TrainConfig
@@ -44,7 +44,8 @@ class StageMemory:
     recv_buffers: int
     """torch's pipeline stage: one receive buffer per microbatch for activations (stage > 0) and for gradients
     (stages before the last), in the boundary dtype (``parallel.pp_boundary_dtype``), each this tp rank's
-    share, allocated once and kept."""
+    share, allocated once and kept. Stages of different tp or dp (bimetal's runner): the gathered input of each
+    microbatch in flight."""
     activations: int
     transient: int
     """The largest short-lived buffers: logits gradient, one recomputed block, FSDP's gather/reduce buffers."""
@@ -147,10 +148,19 @@ def stage_memory(cfg: TrainConfig, stage: int, device: tuple[str, int] = ("unkno
         transient += c.unit * (size + 4)  # one block's gradient and its float32 reduce-scatter input
     boundary = mb * seq * args.dim * size // tp  # one activation (or gradient) share at a stage boundary
     recv = p.microbatches * boundary * ((stage > 0) + (stage < p.pp - 1)) if p.pp > 1 else 0
+    if _ragged(cfg):  # bimetal's runner (train/shaped.py): each microbatch in flight keeps its gathered input;
+        recv = in_flight * boundary * tp * (stage > 0)  # gradients arrive one microbatch at a time
+        transient += boundary * tp * (stage < p.pp - 1)
     grads = 4 * c.held + (0 if fsdp else 4 * whole_emb)
     return StageMemory(stage, n, in_flight, device[0], device[1], 4 * c.held, grads,
                        8 * c.held + 4 * c.tensors, in_flight * copies, gathered, unsharded_grads, recv,
                        in_flight * act, transient, in_flight * m.output if p.pp > 1 else 0)
+
+
+def _ragged(cfg: TrainConfig) -> bool:
+    """Stages that differ in tp or dp: they run bimetal's own pipeline runner, not torch's stage."""
+    shapes = cfg.stage_shapes()
+    return len({(tp, dp) for tp, dp, _ in shapes}) > 1
 
 
 def hop_report(cfg: TrainConfig) -> list[HopCost]:
@@ -160,10 +170,21 @@ def hop_report(cfg: TrainConfig) -> list[HopCost]:
     from bimetal.plan.spec import load_spec
 
     p = cfg.parallel
-    if p.pp < 2 or not p.cluster or cfg.per_stage:  # per-stage boundaries: priced by bimetal plan (shapes.py)
+    if p.pp < 2 or not p.cluster:
         return []
     spec = load_spec(p.cluster)
     owner = [g for g in spec.groups for _ in range(g.gpus)]
+    if cfg.per_stage:  # a global microbatch crosses each boundary, spread over min(widths) pairs at once
+        args = models.FLAVOURS[cfg.model.family][cfg.model.flavour]
+        widths = [tp * dp for tp, dp, _ in cfg.stage_shapes()]
+        total = cfg.global_batch // p.microbatches * cfg.data.seq_len * args.dim * boundary_size(cfg)
+        out = []
+        for j in range(p.pp - 1):
+            pairs = min(widths[j], widths[j + 1])
+            ends = [owner[sum(widths[:j])], owner[sum(widths[:j + 1])]]
+            h = hop_costs(ends, pairs, total / pairs, p.pp_transport, p.homogeneous_backend)[0]
+            out.append(replace(h, stages=(j, j + 1)))
+        return out
     width = p.dp * p.tp
     args = models.FLAVOURS[cfg.model.family][cfg.model.flavour]
     nbytes = cfg.data.batch_size // p.microbatches * cfg.data.seq_len * args.dim * boundary_size(cfg) / p.tp

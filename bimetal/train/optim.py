@@ -144,7 +144,11 @@ def clip_global_norm(model: nn.Module, max_norm: float, pp_group: dist.ProcessGr
     sq = _squares(grads, grads[0].device if grads else "cpu")
     if not counted:
         sq = torch.zeros_like(sq)
-    if pp_size > 1:
+    if pp_size > 1 and pp_group is None:  # the world: Gloo on CPU tensors, whatever the device
+        host = sq.cpu()
+        dist.all_reduce(host)
+        sq = host.to(sq.device)
+    elif pp_size > 1:
         dist.all_reduce(sq, group=pp_group)
     norm = float(sq.sqrt())
     if max_norm > 0 and norm > max_norm:

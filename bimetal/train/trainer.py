@@ -6,9 +6,10 @@ activation checkpointing, then FSDP2 over the stage-local mesh when ``parallel.d
 ``grad_accum`` schedule runs (each over ``parallel.microbatches`` microbatches), gradient average over the dp
 group (done by FSDP's reduce-scatter/all-reduce in the backward when sharded), one global-norm clip over all
 stages and replicas, AdamW, lr schedule, metrics, checkpoint (one part per shard owner when sharded:
-``shards``). Single-process
-runs (pp=dp=1, no process group) use the same loop with a plain forward and the same microbatch split, so
-the two agree to float32 rounding.
+``shards``). Stages of different tp or dp (``parallel.*_per_stage``) run ``ShapedRunner`` (``shaped``) in place of
+torch's schedule: their boundary joins and splits microbatch rows between replicas, and the loss and gradient norm
+are summed over the world. Single-process runs (pp=dp=1, no process group) use the same loop with a plain forward
+and the same microbatch split, so the two agree to float32 rounding.
 """
 
 from __future__ import annotations
@@ -109,7 +110,8 @@ class _XvendorMeter:
     transport's algorithm). Time is this rank's schedule time minus its stage compute (waits for the peer
     included) when it has a crossing hop, plus the time of a vendor-spanning gradient average. Under HSDP with
     a vendor-spanning replicate dimension the dp bytes are the gradient shard each rank all-reduces; that
-    all-reduce runs inside the backward, so its time is not separated out.
+    all-reduce runs inside the backward, so its time is not separated out. Per-stage shapes (``ShapedRunner``):
+    the counters of this rank's cross-vendor boundary pair groups, else the bytes of the pieces it sent across.
     """
 
     def __init__(self, ctx: Any, runner: PipelineRunner | ShapedRunner | None) -> None:

@@ -55,7 +55,6 @@ class ShapedRunner:
             p for p in boundary_pieces(layout, self.stage - 1, self.rows, hidden) if p.receiver == me]
         self.outgoing: list[Piece] = [] if self.is_last else [
             p for p in boundary_pieces(layout, self.stage, self.rows, hidden) if p.sender == me]
-        self.prev_dp = dims.stage_dp(self.stage - 1) if not self.is_first else 1
         self.next_dp = dims.stage_dp(self.stage + 1) if not self.is_last else 1
         self.groups = {p: ctx.groups[pair_name(layout, p.sender, p.receiver)] for p in self.incoming + self.outgoing}
         self.compute_s = 0.0
@@ -138,15 +137,22 @@ class ShapedRunner:
         lo, hi = self.my_rows
         my_cols = self._cols(self.tp, self.ctx.tp_rank)
         held: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
-        sends: list[Any] = []
+        # Sends in flight by (kind, microbatch), waited for (and their blocks freed) once certainly received: a
+        # forward's when its gradient came back, a backward's at the next backward; the rest at the end.
+        sends: dict[tuple[str, int], list[Any]] = {}
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         for kind, m in self.order():
             if kind == "f":
-                held[m] = self._forward(m, x, y, my_cols, sends, loss_sum)
+                held[m] = self._forward(m, x, y, my_cols, sends.setdefault(("f", m), []), loss_sum)
             else:
-                self._backward(m, *held.pop(m), my_cols, sends)
-        for w in sends:
-            w.wait()
+                for w in sends.pop(("b", m - 1), []):
+                    w.wait()
+                self._backward(m, *held.pop(m), my_cols, sends.setdefault(("b", m), []))
+                for w in sends.pop(("f", m), []):
+                    w.wait()
+        for works in sends.values():
+            for w in works:
+                w.wait()
         # the global mean: only the last stage's tp rank 0 of each replica counts its rows
         counted = self.is_last and self.ctx.tp_rank == 0
         total = (loss_sum if counted else torch.zeros_like(loss_sum)).cpu().double()

@@ -3,11 +3,12 @@
 Rows (``bimetal train --simulate``, the debug LLaMA-3 of ``configs/demo.toml`` with its split [3, 1], float32 on
 CPU, 20 steps, a global batch of 16 rows of 64 tokens in 4 global microbatches, cpu-forward across vendors):
 
-* stage 0 dp=2 / stage 1 dp=1 (``nvidia:2,amd:1``): each "amd" microbatch joins the rows of two "nvidia" senders;
+* stage 0 dp=2 / stage 1 dp=1 / stage 2 dp=1 (``nvidia:2,amd:2``, split [2, 1, 1]): each "amd" microbatch joins the
+  rows of two "nvidia" senders; stage 1 is a middle stage, and its boundary to stage 2 stays inside the vendor;
 * stage 0 tp=2 / stage 1 tp=1 (``nvidia:2,amd:1``): each "nvidia" tp rank sends its half of the hidden columns;
 * stage 0 dp_shard=2 / stage 1 dp=2 replicated (``nvidia:2,amd:2``): FSDP on one island, plain dp on the other;
   dp and tp agree, so this is the uniform pipeline (torch's 1F1B) and serves as the equal-shapes reference;
-* the dp 2/1 row again on device-direct, uninterrupted: the cpu-forward dp 2/1 run has its "amd" rank kill
+* the dp 2/1/1 row again on device-direct, uninterrupted: the cpu-forward dp 2/1/1 run has its "amd" rank kill
   itself after step 12 and be restarted (``--max-restarts=1``) from the step-10 checkpoint, and its losses must
   equal these bit for bit. The tp row runs GPipe's order, the others 1F1B.
 
@@ -34,14 +35,16 @@ from bimetal.train.shards import assemble
 
 pytestmark = pytest.mark.timeout(300)
 BATCH = ["--data.global_batch_size=16", "--parallel.microbatches=4", "--training.dtype=float32"]
+THREE = ["--parallel.pp=3", "--parallel.layers_per_stage=[2,1,1]", "--parallel.dp_per_stage=[2,1,1]"]
+"""Three stages: nvidia dp=2, then two amd stages of dp=1 (a middle stage, and a boundary inside a vendor)."""
 ROWS = {
-    "dp2-dp1": ("nvidia:2,amd:1", ["--parallel.dp_per_stage=[2,1]"]),
+    "dp2-dp1-dp1": ("nvidia:2,amd:2", THREE),
     "tp2-tp1": ("nvidia:2,amd:1", ["--parallel.tp_per_stage=[2,1]", "--parallel.dp_per_stage=[1,1]",
                                    "--parallel.schedule=gpipe"]),
     "shard2-dp2": ("nvidia:2,amd:2", ["--parallel.dp_per_stage=[2,2]", "--parallel.dp_shard_per_stage=[2,1]"]),
-    "dp2-dp1-dd": ("nvidia:2,amd:1", ["--parallel.dp_per_stage=[2,1]", "--parallel.pp_transport=device-direct"]),
+    "dp2-dp1-dp1-dd": ("nvidia:2,amd:2", [*THREE, "--parallel.pp_transport=device-direct"]),
 }
-KILLED = {"dp2-dp1": "2:12"}
+KILLED = {"dp2-dp1-dp1": "2:12"}
 """Rows whose rank kills itself after a step (``BIMETAL_FAULT_KILL``); torchrun restarts it from step 10."""
 _RUNS: dict[str, tuple[Path, str]] = {}
 
@@ -122,10 +125,11 @@ def test_stage_shapes_match_single_process(name: str, single: Path, tmp_path_fac
 
     exported = dict(from_hf(run / "hf").named_parameters())
     assert sorted(exported) == sorted(w_got) and all(torch.equal(exported[n], w_got[n]) for n in w_got)
-    if name == "dp2-dp1":  # the group table shows each stage's shape and the boundary pairs
-        assert "stage 0: nvidia dp=2 x tp=1 ranks [0, 1]" in stdout and "stage 1: amd dp=1 x tp=1 ranks [2]" in stdout
-        assert any(line.startswith("pp.b0.dp1tp0-dp0tp0") and "bimetal_cpu_forward" in line
-                   for line in stdout.splitlines()), stdout
+    if name == "dp2-dp1-dp1":  # the group table shows each stage's shape and the boundary pairs
+        assert "stage 0: nvidia dp=2 x tp=1 ranks [0, 1]" in stdout and "stage 2: amd dp=1 x tp=1 ranks [3]" in stdout
+        lines = stdout.splitlines()
+        assert any(line.startswith("pp.b0.dp1tp0-dp0tp0") and "bimetal_cpu_forward" in line for line in lines), stdout
+        assert any(line.startswith("pp.b1.dp0tp0-dp0tp0") and "homogeneous-amd" in line for line in lines), stdout
 
 
 def test_cross_vendor_bytes_equal_those_of_equal_shapes(tmp_path_factory: pytest.TempPathFactory) -> None:
@@ -144,11 +148,11 @@ def test_cross_vendor_bytes_equal_those_of_equal_shapes(tmp_path_factory: pytest
 
 
 def test_a_killed_rank_restarts_and_stays_bit_identical(tmp_path_factory: pytest.TempPathFactory) -> None:
-    run, out = _run("dp2-dp1", tmp_path_factory)
+    run, out = _run("dp2-dp1-dp1", tmp_path_factory)
     assert "rank 2 kills itself after step 12" in out and "resumed from" in out, out[-3000:]
     if (why := _transport_missing("device-direct")) is not None:
         pytest.skip(f"the uninterrupted twin runs on device-direct: {why}")
-    twin, _ = _run("dp2-dp1-dd", tmp_path_factory)
+    twin, _ = _run("dp2-dp1-dp1-dd", tmp_path_factory)
     killed, uninterrupted = _losses(run), _losses(twin)
     assert sorted(killed) == list(range(1, 21))
     assert all(killed[s] == uninterrupted[s] for s in killed), [(s, killed[s], uninterrupted[s]) for s in killed]
@@ -156,16 +160,16 @@ def test_a_killed_rank_restarts_and_stays_bit_identical(tmp_path_factory: pytest
 
 def test_resume_is_identical_and_another_shape_is_refused(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
                                                           ) -> None:
-    run, _ = _run("dp2-dp1", tmp_path_factory)
+    run, _ = _run("dp2-dp1-dp1", tmp_path_factory)
     resumed = tmp_path / "run"
     (resumed / "checkpoints").mkdir(parents=True)
     shutil.copytree(run / "checkpoints" / "step-000010", resumed / "checkpoints" / "step-000010")
-    r = _shaped("dp2-dp1", resumed, "--resume")
+    r = _shaped("dp2-dp1-dp1", resumed, "--resume")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     full, again = _losses(run), _losses(resumed)
     assert sorted(again) == list(range(11, 21))
     assert all(again[s] == full[s] for s in again), [(s, again[s], full[s]) for s in again]
-    r = _shaped("tp2-tp1", resumed, "--resume")
+    r = _shaped("dp2-dp1-dp1", resumed, "--resume", "--parallel.dp_per_stage=[1,1,2]")  # same split, other shapes
     err = r.stderr
     assert r.returncode == 2 and "stage_shapes" in err and "Traceback" not in err, err
     assert len(err.strip().splitlines()) == 1, err

@@ -175,3 +175,20 @@ def test_a_per_stage_search_prices_each_island_with_its_own_shape() -> None:
     # a global microbatch of 4 rows cannot be split over dp=8: the MI300X island's tp=1 shape is not offered
     four = evaluate_rows(spec, "llama3-8b", 8192, 256, 4)
     assert four is not None and all(a.dp <= 4 for a in four.alternatives[1])
+
+
+def test_a_tp_leaving_a_node_of_the_cluster_spec_is_refused(tmp_path: Path, capsys, monkeypatch) -> None:
+    # a torchrun job sized against parallel.cluster: its MI300X island is two nodes of 4, so stage 1's tp=8 would
+    # leave a node
+    monkeypatch.delenv("RANK", raising=False)
+    text = (ROOT / "configs" / "clusters" / "h100_mi300x.toml").read_text()
+    head, amd = text.split('name = "mi300x"')
+    spec = tmp_path / "spec.toml"
+    spec.write_text(head + 'name = "mi300x"' + amd.replace("count = 1", "count = 2").replace("gpus_per_node = 8",
+                                                                                             "gpus_per_node = 4"))
+    code = main(["train", "--model.flavour=llama3-8b", "--parallel.pp=2", "--parallel.tp_per_stage=[2,8]",
+                 "--parallel.dp_per_stage=[4,1]", "--data.global_batch_size=16", "--parallel.microbatches=4",
+                 f"--parallel.cluster={spec}", "--dry-run"])
+    err = capsys.readouterr().err
+    assert code == 2 and "stage 1: parallel.tp_per_stage[1]=8 leaves a node of mi300x" in err, err
+    assert len(err.strip().splitlines()) == 1, err

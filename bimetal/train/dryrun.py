@@ -85,6 +85,12 @@ def stage_devices(cfg: TrainConfig) -> list[tuple[str, int]]:
         if cfg.per_stage and len({g.vendor for g in groups}) > 1:
             raise UserError(f"stage {j}: its {widths[j]} GPUs (parallel.dp_per_stage x tp_per_stage) would span "
                             f"vendors on cluster {p.cluster}; make each stage's shape fit its island.")
+        tp = cfg.stage_shapes()[j][0]
+        node = next((g for g in groups if g.gpus_per_node % tp), None)
+        if cfg.per_stage and node is not None:
+            raise UserError(f"stage {j}: parallel.tp_per_stage[{j}]={tp} leaves a node of {node.name} "
+                            f"({node.gpus_per_node} GPUs per node) on cluster {p.cluster}; a tensor-parallel group "
+                            "stays inside one node, so choose a tp that divides the GPUs per node.")
         small = min(groups, key=lambda g: g.memory_bytes)
         name = small.gpu if len({g.gpu for g in groups}) == 1 else "/".join(sorted({g.gpu for g in groups}))
         out.append((name, small.memory_bytes))

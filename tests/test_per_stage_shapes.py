@@ -192,3 +192,11 @@ def test_a_tp_leaving_a_node_of_the_cluster_spec_is_refused(tmp_path: Path, caps
     err = capsys.readouterr().err
     assert code == 2 and "stage 1: parallel.tp_per_stage[1]=8 leaves a node of mi300x" in err, err
     assert len(err.strip().splitlines()) == 1, err
+
+
+def test_plan_config_refuses_per_stage_shapes(tmp_path: Path, capsys) -> None:
+    cfg = tmp_path / "shaped.toml"
+    cfg.write_text("[parallel]\npp = 2\ndp_per_stage = [2, 1]\n[data]\nglobal_batch_size = 16\n")
+    assert main(["plan", str(ROOT / "configs" / "clusters" / "h100_mi300x.toml"), "--config", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert "per-stage shapes, which --config does not price" in err and "--per-stage" in err, err

@@ -110,8 +110,8 @@ def single(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.parametrize("name", list(ROWS))
-def test_stage_shapes_match_single_process(name: str, single: Path, tmp_path_factory: pytest.TempPathFactory
-                                           ) -> None:
+def test_stage_shapes_match_single_process(name: str, single: Path, tmp_path_factory: pytest.TempPathFactory,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
     run, stdout = _run(name, tmp_path_factory)
     ref, got = _losses(single), _losses(run)
     assert sorted(got) == sorted(ref) == list(range(1, 21))
@@ -130,6 +130,16 @@ def test_stage_shapes_match_single_process(name: str, single: Path, tmp_path_fac
         lines = stdout.splitlines()
         assert any(line.startswith("pp.b0.dp1tp0-dp0tp0") and "bimetal_cpu_forward" in line for line in lines), stdout
         assert any(line.startswith("pp.b1.dp0tp0-dp0tp0") and "homogeneous-amd" in line for line in lines), stdout
+        # the dry-run's receive term for bimetal's runner: each in-flight microbatch's gathered input (1F1B: two on
+        # the middle stage, one on the last), as the ranks measured it
+        from bimetal.cli import main
+
+        assert main(["train", "--config", str(DEMO), *COMMON, *BATCH, *THREE, "--simulate", "nvidia:2,amd:2",
+                     f"--metrics.run_dir={run}-dry", "--dry-run", "--json"]) == 0
+        dry = json.loads(capsys.readouterr().out)["stages"]
+        for rank, stage in ((2, 1), (3, 2)):
+            held = json.loads((run / f"memory-rank{rank}.json").read_text())["recv_buffers"]
+            assert held == dry[stage]["recv_buffers"] == (3 - stage) * 4 * SEQ * 128 * 4, (rank, held, dry[stage])
 
 
 def test_cross_vendor_bytes_equal_those_of_equal_shapes(tmp_path_factory: pytest.TempPathFactory) -> None:

@@ -58,6 +58,9 @@ class ShapedRunner:
         self.next_dp = dims.stage_dp(self.stage + 1) if not self.is_last else 1
         self.groups = {p: ctx.groups[pair_name(layout, p.sender, p.receiver)] for p in self.incoming + self.outgoing}
         self.compute_s = 0.0
+        self.held_inputs = 0
+        """Most bytes of received (gathered) microbatch inputs held at once, waiting for their backward."""
+        self._holding = 0
         self.cross_sent = 0
         """Bytes this rank sent to a rank of another vendor (activations and gradients), since the start."""
         self._cross = {p: ctx.view.vendor_of(p.sender) != ctx.view.vendor_of(p.receiver)
@@ -172,6 +175,8 @@ class ShapedRunner:
             share = self._assemble(self.incoming, lambda p: p.sender, (lo, hi), my_cols)
             inp = self._gather_cols(share).detach().requires_grad_(True)
             xin = inp
+            self._holding += inp.numel() * inp.element_size()
+            self.held_inputs = max(self.held_inputs, self._holding)
         t0 = time.perf_counter()
         out = self.module(xin)
         if self.is_last:
@@ -202,3 +207,5 @@ class ShapedRunner:
             for p in self.incoming:
                 block = inp.grad[p.rows[0] - lo:p.rows[1] - lo, :, p.cols[0]:p.cols[1]].to(self.dtype)
                 self._send(p, block, p.sender, sends)
+        if inp is not None:
+            self._holding -= inp.numel() * inp.element_size()

@@ -402,6 +402,8 @@ def _run(cfg: TrainConfig, ctx: Any, smesh: Any, models: Any, args: Any, split: 
             st = runner.pipe_stage if isinstance(runner, PipelineRunner) else None
             held = st.fsdp_held if st is not None else None  # FSDP's unsharded buffers
             pipe = {"recv_buffers": st.recv_buffer_bytes(), "held_outputs": st.held_outputs} if st is not None else {}
+            if isinstance(runner, ShapedRunner):  # the received inputs it kept for their backward, at most
+                pipe = {"recv_buffers": runner.held_inputs}
             _write_memory(cfg.metrics.run_dir, rank, memory_bytes(model, opt) | (held or {}) | pipe)
         loss_t = (loss_sum / cfg.optim.grad_accum).reshape(1)
         if dp_size > 1 and not shaped:  # the shaped runner's loss is already the global mean

@@ -116,6 +116,7 @@ def test_the_dry_run_sizes_each_stage_with_its_own_shape(capsys, monkeypatch) ->
     # the same stage 1 with tp=1 holds twice the parameters per GPU (debug: every matrix splits by 2)
     assert main([*args[:6], "--parallel.dp_per_stage=[2,2]", "--parallel.tp_per_stage=[1,1]", *args[8:]]) == 0
     plain = json.loads(capsys.readouterr().out)["stages"]
+    assert shaped[1]["shape"] == {"tp": 2, "dp": 1, "dp_shard": 1, "micro_batch": 4, "ac": "none"}
     assert shaped[0]["params"] == plain[0]["params"]
     assert shaped[1]["params"] < plain[1]["params"]
     assert main([*BASE, "--simulate", "nvidia:2,amd:2", "--parallel.dp_per_stage=[2,1]",

@@ -52,6 +52,8 @@ class StageMemory:
     held_outputs: int = 0
     """Of ``activations`` (not added again to the total): the stage outputs the schedule holds at once, one per
     microbatch in flight until its gradient, in the boundary dtype (the last stage's logits; 0 without pp)."""
+    shape: dict[str, Any] | None = None
+    """The stage's own shape (``tp``, ``dp``, ``dp_shard``, ``micro_batch``, ``ac``) under per-stage keys."""
 
     @property
     def total(self) -> int:
@@ -158,9 +160,11 @@ def stage_memory(cfg: TrainConfig, stage: int, device: tuple[str, int] = ("unkno
         recv = in_flight * boundary * tp * (stage > 0)  # gradients arrive one microbatch at a time
         transient += boundary * tp * (stage < p.pp - 1)
     grads = 4 * c.held + (0 if fsdp else 4 * whole_emb)
+    shape = {"tp": tp, "dp": cfg.stage_shapes()[stage][1], "dp_shard": dp_shard, "micro_batch": mb,
+             "ac": ac.stage_mode(stage)} if cfg.per_stage else None
     return StageMemory(stage, n, in_flight, device[0], device[1], 4 * c.held, grads,
                        8 * c.held + 4 * c.tensors, in_flight * copies, gathered, unsharded_grads, recv,
-                       in_flight * act, transient, in_flight * m.output if p.pp > 1 else 0)
+                       in_flight * act, transient, in_flight * m.output if p.pp > 1 else 0, shape)
 
 
 def _ragged(cfg: TrainConfig) -> bool:

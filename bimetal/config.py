@@ -48,6 +48,14 @@ class ParallelConfig:
     """FSDP2 shard degree inside each stage's data-parallel ranks (must divide ``dp`` and stay inside one
     vendor island): 1 replicates parameters and optimizer state (plain data parallel), ``dp`` shards them
     fully, anything between is HSDP (``dp / dp_shard`` replicas of ``dp_shard``-way shards)."""
+    tp_per_stage: list[int] = field(default_factory=list)
+    """Tensor-parallel degree of each pipeline stage, e.g. ``[2, 1]``; empty: ``tp`` for every stage. Any of the
+    ``*_per_stage`` keys makes the layout per-stage (docs/per-island-shapes.md): the world size is the sum over
+    stages of dp x tp, and ``data.global_batch_size`` sets the batch."""
+    dp_per_stage: list[int] = field(default_factory=list)
+    """Data-parallel replicas of each pipeline stage, e.g. ``[2, 1]``; empty: ``dp`` for every stage."""
+    dp_shard_per_stage: list[int] = field(default_factory=list)
+    """FSDP2 shard degree of each pipeline stage (dividing its dp), e.g. ``[2, 1]``; empty: ``dp_shard``."""
     layers_per_stage: list[int] = field(default_factory=list)
     """Layers held by each stage, e.g. ``[3, 1]``; empty means an even split. Must sum to the model's layers."""
     schedule: str = "1f1b"
@@ -95,6 +103,9 @@ class DataConfig:
     """Tokens per sample."""
     batch_size: int = 4
     """Samples per replica per accumulation step, split into ``parallel.microbatches``."""
+    global_batch_size: int = 0
+    """Samples per accumulation step over all replicas; needed by a per-stage layout (each stage splits it over
+    its own dp). 0: ``batch_size`` x ``parallel.dp`` (uniform layouts only)."""
 
 
 @dataclass
@@ -143,6 +154,13 @@ class ActivationCheckpointConfig:
     """``none``, ``full`` (recompute every transformer block in the backward pass) or ``selective``."""
     every: int = 2
     """With ``selective``: checkpoint every k-th block of each stage (1 = every block)."""
+    mode_per_stage: list[str] = field(default_factory=list)
+    """``mode`` of each pipeline stage, e.g. ``["selective", "none"]`` (what ``bimetal plan --per-stage`` writes);
+    empty: ``mode`` for every stage."""
+
+    def stage_mode(self, stage: int) -> str:
+        """The mode of ``stage``."""
+        return self.mode_per_stage[stage] if self.mode_per_stage else self.mode
 
 
 @dataclass
@@ -219,6 +237,13 @@ class TrainConfig:
         ac = self.activation_checkpoint
         if ac.mode not in ("none", "full", "selective"):
             raise UserError(f"activation_checkpoint.mode={ac.mode!r} is unknown; use none, full or selective.")
+        if ac.mode_per_stage and len(ac.mode_per_stage) != p.pp:
+            raise UserError(f"activation_checkpoint.mode_per_stage={ac.mode_per_stage} has {len(ac.mode_per_stage)} "
+                            f"entries but parallel.pp={p.pp}; give one per stage.")
+        for s, mode in enumerate(ac.mode_per_stage):
+            if mode not in ("none", "full", "selective"):
+                raise UserError(f"stage {s}: activation_checkpoint.mode_per_stage[{s}]={mode!r} is unknown; use "
+                                "none, full or selective.")
         if ac.every < 1:
             raise UserError(f"activation_checkpoint.every={ac.every} must be at least 1.")
         if p.layers_per_stage and len(p.layers_per_stage) != p.pp:
@@ -242,7 +267,7 @@ class TrainConfig:
                                 f"{', '.join(transports.NAMES)}.")
         if p.schedule not in ("1f1b", "gpipe"):
             raise UserError(f"parallel.schedule={p.schedule!r} is unknown; use '1f1b' or 'gpipe'.")
-        if p.microbatches < 1 or self.data.batch_size % p.microbatches:
+        if p.microbatches < 1 or (self.data.batch_size % p.microbatches and not self.per_stage):
             raise UserError(f"data.batch_size={self.data.batch_size} must be a multiple of "
                             f"parallel.microbatches={p.microbatches}.")
         if p.pp_boundary_dtype not in ("compute", "float32"):
@@ -258,6 +283,67 @@ class TrainConfig:
             raise UserError("checkpoint.resume_changed=true (--resume-changed) accepts changes on a resume, but "
                             "checkpoint.resume is off; add --resume or drop it.")
         self._check_ranges()
+        self._check_stage_shapes()
+
+    @property
+    def per_stage(self) -> bool:
+        """Whether the layout gives stages their own shapes (any ``parallel.*_per_stage`` key set)."""
+        p = self.parallel
+        return bool(p.tp_per_stage or p.dp_per_stage or p.dp_shard_per_stage)
+
+    def stage_shapes(self) -> list[tuple[int, int, int]]:
+        """(tp, dp, dp_shard) of every pipeline stage."""
+        p = self.parallel
+        return [(p.tp_per_stage[s] if p.tp_per_stage else p.tp, p.dp_per_stage[s] if p.dp_per_stage else p.dp,
+                 p.dp_shard_per_stage[s] if p.dp_shard_per_stage else p.dp_shard) for s in range(p.pp)]
+
+    @property
+    def world_size(self) -> int:
+        """Ranks the layout needs: the sum over stages of dp x tp."""
+        return sum(tp * dp for tp, dp, _ in self.stage_shapes())
+
+    def stage_microbatch(self, stage: int) -> int:
+        """Samples per microbatch of one replica of ``stage`` (its share of each global microbatch)."""
+        dp = self.stage_shapes()[stage][1]
+        return self.global_batch // (dp * self.parallel.microbatches)
+
+    @property
+    def global_batch(self) -> int:
+        """Samples per accumulation step over all replicas."""
+        return self.data.global_batch_size or self.data.batch_size * self.parallel.dp
+
+    def _check_stage_shapes(self) -> None:
+        """The per-stage keys: one positive entry per stage, dp_shard dividing dp, dp dividing the batch."""
+        p, d = self.parallel, self.data
+        if d.global_batch_size < 0:
+            raise UserError(f"data.global_batch_size={d.global_batch_size} must be 0 (batch_size x dp) or more.")
+        if not self.per_stage:
+            if d.global_batch_size and d.global_batch_size != d.batch_size * p.dp:
+                raise UserError(f"data.global_batch_size={d.global_batch_size} differs from data.batch_size x "
+                                f"parallel.dp = {d.batch_size * p.dp}; drop it, or give per-stage shapes.")
+            return
+        for key in ("tp_per_stage", "dp_per_stage", "dp_shard_per_stage"):
+            values = getattr(p, key)
+            if values and len(values) != p.pp:
+                raise UserError(f"parallel.{key}={values} has {len(values)} entries but parallel.pp={p.pp}; give "
+                                "one per stage.")
+            for s, v in enumerate(values):
+                if v < 1:
+                    raise UserError(f"stage {s}: parallel.{key}[{s}]={v} must be at least 1.")
+        if not d.global_batch_size:
+            raise UserError("a per-stage layout needs data.global_batch_size (samples per step over all replicas); "
+                            "set it, e.g. --data.global_batch_size=16.")
+        if p.allow_cross_vendor_dp:
+            raise UserError("parallel.allow_cross_vendor_dp cannot be combined with per-stage shapes (each stage is "
+                            "one vendor island); drop one of them.")
+        for s, (_, dp, shard) in enumerate(self.stage_shapes()):
+            if dp % shard:
+                raise UserError(f"stage {s}: parallel.dp_shard_per_stage[{s}]={shard} does not divide the stage's "
+                                f"dp={dp}; choose a divisor of it.")
+            if d.global_batch_size % (dp * p.microbatches):
+                raise UserError(f"stage {s}: parallel.dp_per_stage[{s}]={dp} does not divide data.global_batch_size="
+                                f"{d.global_batch_size} into parallel.microbatches={p.microbatches} equal "
+                                f"microbatches; make the batch a multiple of {dp * p.microbatches}.")
 
     def _check_ranges(self) -> None:
         """Numbers out of their range, each refused naming its key (a silent clamp would hide a typo)."""

@@ -26,7 +26,8 @@ if os.environ["RANK"] == "1" and "fail" in sys.argv:
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("BIMETAL_", "RANK", "WORLD_SIZE", "MASTER_", "OMP_"))}
+    dropped = ("BIMETAL_", "RANK", "WORLD_SIZE", "MASTER_", "OMP_")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(dropped)}
     return {**env, **extra}
 
 

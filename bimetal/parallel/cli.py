@@ -10,10 +10,14 @@ from __future__ import annotations
 import argparse
 import math
 import os
+from typing import TYPE_CHECKING
 
 from bimetal import transports
 from bimetal.args import ArgumentParser
 from bimetal.errors import UserError
+
+if TYPE_CHECKING:
+    from bimetal.parallel.layout import ParallelDims
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,6 +26,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--dp", type=int, default=1)
     p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--tp-per-stage", default="", help="tensor-parallel degree of each stage, e.g. 2,1 "
+                   "(as parallel.tp_per_stage)")
+    p.add_argument("--dp-per-stage", default="", help="data-parallel degree of each stage, e.g. 2,1 "
+                   "(as parallel.dp_per_stage)")
     p.add_argument("--allow-cross-vendor-dp", action="store_true")
     p.add_argument("--strict", action="store_true", help="refuse stages that are not vendor-homogeneous")
     p.add_argument("--pp-transport", default=transports.DEFAULT,
@@ -48,10 +56,25 @@ def main(argv: list[str]) -> int:
     return _run_rank(args)
 
 
+def _stage_list(text: str, option: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise UserError(f"{option} {text!r} must be integers separated by commas, one per stage, e.g. 2,1.") from None
+
+
+def _dims(args: argparse.Namespace) -> ParallelDims:
+    from bimetal.parallel.layout import ParallelDims
+
+    return ParallelDims(args.pp, args.dp, args.tp, args.allow_cross_vendor_dp, args.strict,
+                        _stage_list(args.tp_per_stage, "--tp-per-stage"),
+                        _stage_list(args.dp_per_stage, "--dp-per-stage"))
+
+
 def _check_before_launch(args: argparse.Namespace) -> None:
     """The timeout and the layout against the simulated world, as the ranks would refuse them (once, here)."""
     from bimetal.parallel.groups import plan_groups
-    from bimetal.parallel.layout import ParallelDims, plan_layout
+    from bimetal.parallel.layout import plan_layout
     from bimetal.topology.records import ClusterView, RankRecord
     from bimetal.topology.vendor import parse_simulate
 
@@ -59,16 +82,16 @@ def _check_before_launch(args: argparse.Namespace) -> None:
         raise UserError(f"--timeout {args.timeout} must be a positive number of seconds.")
     vendors = parse_simulate(args.simulate)
     view = ClusterView([RankRecord(r, r, "localhost", v, "cpu", 0) for r, v in enumerate(vendors)])
-    layout = plan_layout(view, ParallelDims(args.pp, args.dp, args.tp, args.allow_cross_vendor_dp, args.strict))
+    layout = plan_layout(view, _dims(args))
     plan_groups(view, layout, {"pp": args.pp_transport, "dp": args.dp_transport}, simulated=True)
 
 
 def _run_rank(args: argparse.Namespace) -> int:
     from datetime import timedelta
 
-    from bimetal.parallel import ParallelDims, init_parallel
+    from bimetal.parallel import init_parallel
 
-    dims = ParallelDims(args.pp, args.dp, args.tp, args.allow_cross_vendor_dp, args.strict)
+    dims = _dims(args)
     interfaces = [n.strip() for n in args.interfaces.split(",") if n.strip()] or None
     ctx = init_parallel(
         dims, {"pp": args.pp_transport, "dp": args.dp_transport}, timedelta(seconds=args.timeout),
@@ -76,9 +99,8 @@ def _run_rank(args: argparse.Namespace) -> int:
     )
     try:
         if ctx.rank == 0:
-            for s, vendor in enumerate(ctx.layout.stage_vendors):
-                ranks = [r for replica in ctx.layout.mesh[s] for r in replica]
-                print(f"stage {s}: {vendor} ranks {ranks}")
+            for line in ctx.layout.shape_lines():
+                print(line)
     finally:
         ctx.destroy()
     return 0

@@ -83,11 +83,18 @@ class ParallelContext:
 
     @property
     def dp_size(self) -> int:
-        return self.layout.dims.dp
+        """Replicas of this rank's stage (its own with per-stage shapes)."""
+        return self.layout.dims.stage_dp(self.stage)
 
     @property
     def tp_size(self) -> int:
-        return self.layout.dims.tp
+        """Tensor-parallel degree of this rank's stage."""
+        return self.layout.dims.stage_tp(self.stage)
+
+    @property
+    def shaped(self) -> bool:
+        """Stages of their own shapes: the stages are joined by boundary pairs, not pipeline groups."""
+        return self.layout.dims.shaped
 
     @property
     def dp_spans_vendors(self) -> bool:
@@ -200,7 +207,8 @@ def init_parallel(
     if print_table and rank == 0:
         records: list[dict[str, str]] = store_exchange.gather(store, "bimetal/built", [g.name for g in specs])
         built = {g.name: str(r["fallback"]) for g, r in zip(specs, records)}
-        print(f"bimetal groups ({dims.describe()}):\n" + format_group_table(specs, built), flush=True)
+        shapes = "".join(f"\n  {line}" for line in layout.shape_lines()) if dims.shaped else ""
+        print(f"bimetal groups ({dims.describe()}):{shapes}\n" + format_group_table(specs, built), flush=True)
     stage, dp_rank, tp_rank = layout.coords(rank)
     ctx = ParallelContext(
         rank=rank, world_size=world, vendor=vendor, view=view, layout=layout, group_specs=specs,

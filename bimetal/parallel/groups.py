@@ -37,6 +37,8 @@ from bimetal.transports import DEFAULT, TRANSPORTS
 AXES = ("pp", "dp")
 HOMOGENEOUS = ("native", "gloo")
 HOP, COLLECTIVES = "pp.hop", "pp.collectives"
+PAIR = "pp.pair"
+"""Axis of a boundary pair of a per-stage layout: two ranks of neighbouring stages that exchange pieces."""
 """Axes of the parts of a ``bimetal_per_hop`` pipeline group: its pairs of neighbouring stages, its collectives."""
 
 
@@ -130,14 +132,20 @@ def plan_groups(
         specs.append(GroupSpec(name, axis, ranks, vendors, kind, backend))
 
     dims = layout.dims
+    if dims.shaped:  # stages of their own shapes: one group per pair of ranks that exchange boundary pieces
+        from bimetal.parallel.boundary import boundary_pairs, pair_name
+
+        for s in range(dims.pp - 1):
+            for a, b in boundary_pairs(layout, s):
+                add(pair_name(layout, a, b), PAIR, (a, b), "pp")
     for i, ranks in enumerate(layout.pp_groups()):
         d, t = divmod(i, dims.tp)
         if len(ranks) > 1:
             specs += plan_pipeline(f"pp.dp{d}" + (f".tp{t}" if dims.tp > 1 else ""), ranks,
                                    tuple(view.vendor_of(r) for r in ranks), backends["pp"], one_vendor)
-    for i, ranks in enumerate(layout.dp_groups()):
-        s, t = divmod(i, dims.tp)
-        base = f"dp.stage{s}" + (f".tp{t}" if dims.tp > 1 else "")
+    dp_positions = [(s, t) for s in range(dims.pp) for t in range(dims.stage_tp(s))]
+    for (s, t), ranks in zip(dp_positions, layout.dp_groups()):
+        base = f"dp.stage{s}" + (f".tp{t}" if dims.stage_tp(s) > 1 else "")
         add(base, "dp", ranks, "dp")
         if layout.stage_vendors[s] == "mixed":
             islands = _split_islands(view, ranks)
@@ -152,8 +160,8 @@ def plan_groups(
                 add(f"{base}.island-{vendor}", "dp.island", members, "dp")
             for j in range(sizes.pop()):
                 add(f"{base}.cross{j}", "dp.cross", tuple(m[j] for m in islands.values()), "dp")
-    for s, d_ranks in enumerate(layout.tp_groups()):
-        s_idx, d = divmod(s, dims.dp)
+    tp_positions = [(s, d) for s in range(dims.pp) for d in range(dims.stage_dp(s))]
+    for (s_idx, d), d_ranks in zip(tp_positions, layout.tp_groups()):
         add(f"tp.stage{s_idx}.dp{d}", "tp", d_ranks, "dp")
     return specs
 
@@ -180,6 +188,9 @@ def format_group_table(specs: list[GroupSpec], fallbacks: dict[str, str] | None 
         rows.append((g.name, ",".join(map(str, g.ranks)), vendors, g.kind, backend))
     notes = [f"  {name}: {why}" for name, why in fallbacks.items()]
     text = format_rows(rows) + ("\nfallbacks:\n" + "\n".join(notes) if notes else "")
+    if any(g.axis == PAIR for g in specs):
+        text += ("\npp.b<s> rows: per-stage shapes; each pair of ranks of stages s and s+1 that share microbatch "
+                 "rows and hidden columns sends its pieces over its own group")
     if any(g.backend == PER_HOP for g in specs):
         text += (f"\n{PER_HOP}: the pipeline's sends and receives go over the group of each pair of neighbouring "
                  "stages (its .hop rows), its collectives over its .collectives row")

@@ -18,6 +18,7 @@ the dp dimensions of the same mesh whose tp dimension tensor parallelism splits 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from datetime import timedelta
 
@@ -35,19 +36,29 @@ SHARD, REPLICATE = "dp.shard", "dp.replicate"
 
 def dp_mesh_ranks(layout: Layout, stage: int, tp_rank: int, dp_shard: int) -> list[list[int]]:
     """Global ranks of one stage's dp mesh as ``[replica group][shard position]``."""
-    ranks = [layout.mesh[stage][d][tp_rank] for d in range(layout.dims.dp)]
-    return [ranks[r * dp_shard:(r + 1) * dp_shard] for r in range(layout.dims.dp // dp_shard)]
+    dp = layout.dims.stage_dp(stage)
+    ranks = [layout.mesh[stage][d][tp_rank] for d in range(dp)]
+    return [ranks[r * dp_shard:(r + 1) * dp_shard] for r in range(dp // dp_shard)]
 
 
-def plan_dp_mesh_groups(view: ClusterView, layout: Layout, dp_shard: int, transports: dict[str, str] | None = None,
-                        simulated: bool = True) -> list[GroupSpec]:
+def _per_stage(layout: Layout, dp_shard: int | Sequence[int]) -> list[int]:
+    """The shard degree of every stage (one number for all, or one per stage: ``parallel.dp_shard_per_stage``)."""
+    return [dp_shard] * layout.dims.pp if isinstance(dp_shard, int) else list(dp_shard)
+
+
+def plan_dp_mesh_groups(view: ClusterView, layout: Layout, dp_shard: int | Sequence[int],
+                        transports: dict[str, str] | None = None, simulated: bool = True) -> list[GroupSpec]:
     """Shard and replicate groups of every stage (size > 1), in the order every rank creates them.
+    ``dp_shard``: one degree for every stage, or one per stage.
 
     Raises ``UserError`` if ``dp_shard`` does not divide ``dp`` or a shard group would mix vendors.
     """
     dims = layout.dims
-    if dp_shard < 1 or dims.dp % dp_shard:
-        raise UserError(f"parallel.dp_shard={dp_shard} must be at least 1 and divide parallel.dp={dims.dp}.")
+    shards = _per_stage(layout, dp_shard)
+    for s, n in enumerate(shards):
+        if n < 1 or dims.stage_dp(s) % n:
+            key = "parallel.dp_shard" if isinstance(dp_shard, int) else f"stage {s}: parallel.dp_shard_per_stage[{s}]"
+            raise UserError(f"{key}={n} must be at least 1 and divide the stage's dp={dims.stage_dp(s)}.")
     cross = resolve_transports(transports)["dp"]
     specs: list[GroupSpec] = []
 
@@ -63,9 +74,10 @@ def plan_dp_mesh_groups(view: ClusterView, layout: Layout, dp_shard: int, transp
         specs.append(GroupSpec(name, axis, tuple(ranks), vendors, kind, backend))
 
     for s in range(dims.pp):
-        for t in range(dims.tp):
+        dp_shard = shards[s]
+        for t in range(dims.stage_tp(s)):
             grid = dp_mesh_ranks(layout, s, t, dp_shard)
-            suffix = f".tp{t}" if dims.tp > 1 else ""
+            suffix = f".tp{t}" if dims.stage_tp(s) > 1 else ""
             if dp_shard > 1:
                 for r, row in enumerate(grid):
                     add(f"dp.stage{s}{suffix}.shard{r}", SHARD, row)
@@ -79,34 +91,43 @@ def plan_dp_mesh_groups(view: ClusterView, layout: Layout, dp_shard: int, transp
 class StageMesh:
     """This rank's stage-local mesh for FSDP2, and where it sits in it."""
 
-    mesh: DeviceMesh
-    """``("dp_shard",)``, ``("dp_replicate", "dp_shard")`` (HSDP), each with a trailing ``"tp"`` when tp > 1."""
+    mesh: DeviceMesh | None
+    """None where this rank's stage does not shard (``parallel.dp_shard_per_stage``); else
+    ``("dp_shard",)``, ``("dp_replicate", "dp_shard")`` (HSDP), each with a trailing ``"tp"`` when tp > 1."""
     specs: list[GroupSpec]
     """Every group created for the meshes of all stages (for the group table and ``destroy``)."""
     groups: dict[str, dist.ProcessGroup | None]
     """This mesh's groups by name (None where this rank is not a member)."""
     created: list[str]
     """Names of the groups created here (the others belong to the ``ParallelContext``)."""
-    shard_group: dist.ProcessGroup
+    shard_group: dist.ProcessGroup | None
     replicate_group: dist.ProcessGroup | None
     shard_rank: int
     replicate_rank: int
     replicate_spans_vendors: bool
 
     @property
+    def sharding(self) -> bool:
+        """Whether this rank's stage shards (else the groups are only held to be destroyed)."""
+        return self.mesh is not None
+
+    @property
     def dp_mesh(self) -> DeviceMesh:
         """The mesh FSDP shards over: ``dp_shard``, or ``(dp_replicate, dp_shard)`` for HSDP."""
+        assert self.mesh is not None
         names = [n for n in ("dp_replicate", "dp_shard") if n in (self.mesh.mesh_dim_names or ())]
         return self.mesh if list(self.mesh.mesh_dim_names or ()) == names else self.mesh[tuple(names)]
 
     @property
     def tp_mesh(self) -> DeviceMesh | None:
         """The tensor-parallel dimension of the same mesh, or None at tp=1."""
+        if self.mesh is None:
+            return None
         return self.mesh["tp"] if "tp" in (self.mesh.mesh_dim_names or ()) else None
 
     @property
     def dp_shard(self) -> int:
-        return self.shard_group.size()
+        return self.shard_group.size() if self.shard_group is not None else 1
 
     @property
     def dp_replicate(self) -> int:
@@ -119,23 +140,30 @@ class StageMesh:
                 dist.destroy_process_group(pg)
 
 
-def build_stage_mesh(ctx: object, dp_shard: int, device_type: str, transports: dict[str, str] | None = None,
-                     timeout: timedelta = timedelta(seconds=300)) -> StageMesh:
+def build_stage_mesh(ctx: object, dp_shard: int | Sequence[int], device_type: str,
+                     transports: dict[str, str] | None = None, timeout: timedelta = timedelta(seconds=300)
+                     ) -> StageMesh:
     """Create the shard/replicate groups of every stage (collective: all ranks call it) and this rank's mesh.
 
-    ``ctx`` is the ``ParallelContext``; ``dp_shard`` > 1 (sharding over one rank is plain replication).
+    ``ctx`` is the ``ParallelContext``; ``dp_shard``: one degree for all stages (> 1: sharding over one rank is
+    plain replication) or one per stage (a rank whose stage does not shard gets a mesh of None).
     """
     from bimetal.parallel.context import ParallelContext
     from bimetal.topology.vendor import is_simulated
 
-    assert isinstance(ctx, ParallelContext) and dp_shard > 1
+    assert isinstance(ctx, ParallelContext)
     specs = plan_dp_mesh_groups(ctx.view, ctx.layout, dp_shard, transports, simulated=is_simulated())
+    dp_shard = _per_stage(ctx.layout, dp_shard)[ctx.stage]
     # A shard group equal to a group the context already has (dp_shard = dp: the dp group) is that group.
     existing = {(g.ranks, g.backend): g.name for g in ctx.group_specs}
     specs = [replace(s, name=existing.get((s.ranks, s.backend), s.name)) for s in specs]
     reused = {s.name: ctx.groups[s.name] for s in specs if s.name in ctx.groups}
     groups = {**create_groups([s for s in specs if s.name not in reused], timeout, getattr(ctx, "pg_options", None)),
               **reused}
+    if dp_shard == 1:
+        return StageMesh(mesh=None, specs=specs, groups=groups,
+                         created=[s.name for s in specs if s.name not in reused], shard_group=None,
+                         replicate_group=None, shard_rank=0, replicate_rank=0, replicate_spans_vendors=False)
     grid = dp_mesh_ranks(ctx.layout, ctx.stage, ctx.tp_rank, dp_shard)
     row = next(r for r, members in enumerate(grid) if ctx.rank in members)
     pos = grid[row].index(ctx.rank)

@@ -17,6 +17,7 @@ from bimetal.outputs import check_file, write_text
 from bimetal.plan import cost
 from bimetal.plan.explain import breakdown, explain
 from bimetal.plan.search import Plan, homogeneous, search
+from bimetal.plan.shapes import ShapedPlan
 from bimetal.plan.spec import ClusterSpec, load_spec
 
 
@@ -68,7 +69,12 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--write", metavar="PATH", help="write the best plan as a `bimetal train` config TOML")
     ap.add_argument("--write-titan", metavar="PATH",
                     help="write the best plan torchtitan runs as `bimetal titan --plan` overrides")
-    ap.add_argument("--explain", action="store_true", help="step-time breakdown of the best plan")
+    ap.add_argument("--explain", action="store_true",
+                    help="step-time breakdown of the best plan, and why each island got its shape in the best "
+                         "per-stage plan against the best uniform one")
+    ap.add_argument("--per-stage", action="store_true",
+                    help="also search per-stage shapes (each vendor island its own tp, dp, dp_shard and activation "
+                         "checkpointing); --write then writes the best per-stage plan")
     ap.add_argument("--allow-cross-vendor-dp", action="store_true",
                     help="--write may choose a plan whose data-parallel groups span vendors (pp=1 on a mixed "
                          "cluster; FSDP shards stay inside each island, replicas cross vendors); the config then "
@@ -101,14 +107,18 @@ def main(argv: list[str]) -> int:
         reasons = "; ".join(sorted({r.rejected for r in rejected})[:3]) or "no layout tiles the cluster"
         raise UserError(f"no feasible plan for {a.model} on {a.spec}: {reasons}; use more GPUs or a shorter --seq.")
     homog = {v: _best_tps(v, a.model, a.seq, a.global_batch, spec) for v in ("nvidia", "amd")}
+    shaped, shaped_text, shaped_json = _per_stage(spec, a, ok[0]) if (a.per_stage or a.explain) else (None, "", {})
     if a.json:
-        out = {"plans": [asdict(p) | {"ratio_nvidia": p.tokens_per_s / homog["nvidia"] if homog["nvidia"] else None,
+        out: dict[str, object] = {
+            "plans": [asdict(p) | {"ratio_nvidia": p.tokens_per_s / homog["nvidia"] if homog["nvidia"] else None,
                                       "ratio_amd": p.tokens_per_s / homog["amd"] if homog["amd"] else None}
                          for p in ok[:a.top]],
                "rejected": [{"pp": p.pp, "dp": p.dp, "tp": p.tp, "dp_shard": p.dp_shard, "ac": p.ac,
                              "micro_batch": p.micro_batch, "reason": p.rejected}
                             for p in rejected],
                "homogeneous_tokens_per_s": homog, "best_breakdown": breakdown(ok[0])}
+        if a.per_stage:
+            out["per_stage"] = shaped_json or None
         print(json.dumps(out, indent=1))
     else:
         print(f"{a.model} seq={a.seq} global_batch={a.global_batch} on {a.spec} ({spec.total_gpus} GPUs)")
@@ -127,7 +137,19 @@ def main(argv: list[str]) -> int:
         print(f"{len(rejected)} plans rejected for memory, e.g.: {rejected[0].rejected}" if rejected else "")
         if a.explain:
             print(explain(ok[0], homog))
-    if a.write:
+        if shaped_text:
+            print(shaped_text)
+    if a.write and a.per_stage:
+        if shaped is None:
+            raise UserError(f"no per-stage plan for {a.model} on {a.spec}: it needs two or more node groups (one "
+                            "stage each) and a shape per island that fits; drop --per-stage to write a uniform plan.")
+        from bimetal.plan.shapes import plan_to_config
+
+        write_text(a.write, tomli_w.dumps(plan_to_config(shaped, spec)))
+        if not a.json:
+            print(f"best per-stage plan written to {a.write}; `bimetal train --config {a.write} --dry-run` checks "
+                  "its memory")
+    elif a.write:
         # The trainer runs every plan the search makes; a vendor-spanning dp group only when the user allows it.
         runnable = [p for p in ok if a.allow_cross_vendor_dp or not spans_vendors(p, spec)]
         if not runnable:
@@ -140,6 +162,26 @@ def main(argv: list[str]) -> int:
     if a.write_titan:
         _write_titan(a.write_titan, ok, spec, a.spec, quiet=a.json)
     return 0
+
+
+def _per_stage(spec: ClusterSpec, a: argparse.Namespace, uniform: Plan) -> tuple[ShapedPlan | None, str, dict]:
+    """The per-stage search (``bimetal.plan.shapes``): its best plan, the text saying why each island got its
+    shape against the best uniform plan, and the same as JSON."""
+    from bimetal.plan.shapes import explain_shapes, search_shapes
+
+    searched = search_shapes(spec, a.model, a.seq, a.global_batch)
+    if not searched:
+        return None, "per-stage shapes: none (the cluster is one node group, or an island has no shape that fits)", {}
+    best = searched[0]
+    equal = next(iter(search_shapes(spec, a.model, a.seq, a.global_batch, equal=True)), None)
+    desc = f"pp={uniform.pp} dp={uniform.dp} dp_shard={uniform.dp_shard} tp={uniform.tp} ac={uniform.ac}"
+    summary = {"step_seconds": best.step_seconds, "tokens_per_s": best.tokens_per_s, "rows": best.rows,
+               "microbatches": best.microbatches, "transport": best.transport, "layer_split": best.layer_split,
+               "stages": [{"group": s.group, "tp": s.tp, "dp": s.dp, "dp_shard": s.dp_shard, "ac": s.ac,
+                           "micro_batch": s.micro_batch, "memory": s.memory} for s in best.stages],
+               "equal_shapes_step_seconds": equal.step_seconds if equal else None,
+               "uniform_step_seconds": uniform.step_seconds}
+    return best, explain_shapes(best, equal, uniform.step_seconds, desc, searched), summary
 
 
 def _check_options(a: argparse.Namespace) -> None:

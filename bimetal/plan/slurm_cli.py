@@ -21,6 +21,7 @@ import sys
 import tomllib
 from pathlib import Path
 
+from bimetal.config import TrainConfig
 from bimetal.errors import UserError
 from bimetal.plan.sbatch import Component, SbatchJob, islands, rank_ranges, render
 from bimetal.plan.spec import ClusterSpec, load_spec
@@ -71,23 +72,26 @@ def _pick(table: dict[str, str], isl: Island) -> str | None:
     return table.get(isl.name, table.get(isl.vendor))  # a group's own entry wins over its vendor's
 
 
-def _stages(cfg_parallel: object, parts: list[Island], spec: ClusterSpec, allow_xdp: bool) -> list[str]:
-    """Each component's stages; refuses (one sentence) a layout the spec's nodes cannot hold."""
+def _stages(cfg: TrainConfig, parts: list[Island], spec: ClusterSpec) -> list[str]:
+    """Each component's stages; refuses (one sentence) a layout the spec's nodes cannot hold (per-stage shapes
+    included: each stage on its own island)."""
     from bimetal.parallel.layout import ParallelDims, plan_layout
     from bimetal.topology.records import ClusterView, RankRecord
 
-    pp, dp, tp = (getattr(cfg_parallel, k) for k in ("pp", "dp", "tp"))
-    need, have = pp * dp * tp, sum(i.nodes * i.gpus_per_node for i in parts)
+    p = cfg.parallel
+    what = ("the per-stage layout" if cfg.per_stage
+            else f"the layout parallel.pp={p.pp} x parallel.dp={p.dp} x parallel.tp={p.tp}")
+    need, have = cfg.world_size, sum(i.nodes * i.gpus_per_node for i in parts)
     if need != have:
-        raise UserError(f"the layout parallel.pp={pp} x parallel.dp={dp} x parallel.tp={tp} needs {need} ranks but "
-                        f"{spec.path} has {have} GPUs; one rank runs per GPU, so make them match.")
+        raise UserError(f"{what} needs {need} ranks but {spec.path} has {have} GPUs; one rank runs per GPU, so make "
+                        "them match.")
     records, rank = [], 0
     for isl in parts:
         for node in range(isl.nodes):
             for local in range(isl.gpus_per_node):
                 records.append(RankRecord(rank, local, f"{isl.name}-{node}", isl.vendor, isl.gpu, 0))
                 rank += 1
-    layout = plan_layout(ClusterView(records), ParallelDims(pp=pp, dp=dp, tp=tp, allow_cross_vendor_dp=allow_xdp))
+    layout = plan_layout(ClusterView(records), ParallelDims.from_config(cfg))
     out = []
     for ranks in rank_ranges(parts):
         held = sorted({layout.coords(r)[0] for r in ranks})
@@ -136,7 +140,7 @@ def main(argv: list[str]) -> int:
                             "knows each vendor's nodes and GPUs per node.")
         spec = load_spec(cluster)
         parts = islands(spec)
-        stages = _stages(cfg.parallel, parts, spec, cfg.parallel.allow_cross_vendor_dp)
+        stages = _stages(cfg, parts, spec)
         rank_args = ["-m", "bimetal.train", f"--config={Path(a.config).resolve()}",
                      f"--parallel.cluster={Path(cluster).resolve()}", *rest]
         name = f"bimetal-{Path(a.config).stem}"

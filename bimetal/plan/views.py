@@ -147,6 +147,9 @@ def layout_from_config(path: str) -> dict[str, Any]:
     from bimetal.config import load_config
 
     cfg = load_config(path)
+    if cfg.per_stage:
+        raise UserError(f"--config {path} has per-stage shapes, which --config does not price; run `bimetal plan "
+                        "SPEC --per-stage --explain` for them.")
     m, par, d = cfg.model, cfg.parallel, cfg.data
     name = next((k for k, spec in cost.MODELS.items() if (spec.family, spec.flavour) == (m.family, m.flavour)), None)
     if name is None:

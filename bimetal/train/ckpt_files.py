@@ -27,9 +27,10 @@ from bimetal.config import TrainConfig
 from bimetal.errors import UserError
 
 MARKER = "COMPLETE"
-LAYOUT = ("family", "flavour", "layers_per_stage", "dp", "dp_shard", "tp")
+LAYOUT = ("family", "flavour", "layers_per_stage", "dp", "dp_shard", "tp", "stage_shapes")
 """``meta.json`` keys of the layout: a checkpoint of another one is refused, with or without resume_changed."""
 TRAJECTORY = ("model.seed", "data.path", "data.tokenizer", "data.bin_dtype", "data.seq_len", "data.batch_size",
+              "data.global_batch_size",
               "parallel.microbatches", "optim.grad_accum", "optim.lr", "optim.weight_decay", "optim.beta1",
               "optim.beta2", "optim.eps", "optim.warmup_steps", "optim.min_lr_ratio", "optim.grad_clip",
               "training.steps", "training.seed", "training.dtype")
@@ -39,7 +40,7 @@ microbatch split's rounding) and how the weights move (optimizer, and ``training
 learning-rate schedule). Everything else (transports, schedule kind, activation checkpointing, timeouts,
 checkpoint and metrics settings) leaves the trajectory as it is and may change on a resume."""
 # Keys added after checkpoints without them were written: their value in those checkpoints.
-_META_DEFAULTS = {"tp": 1, "dp_shard": 1}
+_META_DEFAULTS: dict[str, Any] = {"tp": 1, "dp_shard": 1, "stage_shapes": None}
 _CHUNK = 4 << 20
 
 
@@ -55,7 +56,10 @@ def run_meta(cfg: TrainConfig, split: list[int]) -> dict[str, Any]:
     """``meta.json`` of a checkpoint of ``cfg`` with stage split ``split``."""
     p = cfg.parallel
     return {"family": cfg.model.family, "flavour": cfg.model.flavour, "layers_per_stage": split, "dp": p.dp,
-            "dp_shard": p.dp_shard, "tp": p.tp, "trajectory": {k: _setting(cfg, k) for k in TRAJECTORY}}
+            "dp_shard": p.dp_shard, "tp": p.tp,
+            # per-stage layouts: [tp, dp, dp_shard] of each stage (None: the uniform keys above say it all)
+            "stage_shapes": [list(s) for s in cfg.stage_shapes()] if cfg.per_stage else None,
+            "trajectory": {k: _setting(cfg, k) for k in TRAJECTORY}}
 
 
 def crc32(path: Path) -> int:

@@ -13,7 +13,7 @@ memory, the same margin the planner leaves. Exit status 0 when every stage fits,
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from bimetal.config import TrainConfig
@@ -44,13 +44,16 @@ class StageMemory:
     recv_buffers: int
     """torch's pipeline stage: one receive buffer per microbatch for activations (stage > 0) and for gradients
     (stages before the last), in the boundary dtype (``parallel.pp_boundary_dtype``), each this tp rank's
-    share, allocated once and kept."""
+    share, allocated once and kept. Stages of different tp or dp (bimetal's runner): the gathered input of each
+    microbatch in flight."""
     activations: int
     transient: int
     """The largest short-lived buffers: logits gradient, one recomputed block, FSDP's gather/reduce buffers."""
     held_outputs: int = 0
     """Of ``activations`` (not added again to the total): the stage outputs the schedule holds at once, one per
     microbatch in flight until its gradient, in the boundary dtype (the last stage's logits; 0 without pp)."""
+    shape: dict[str, Any] | None = None
+    """The stage's own shape (``tp``, ``dp``, ``dp_shard``, ``micro_batch``, ``ac``) under per-stage keys."""
 
     @property
     def total(self) -> int:
@@ -70,14 +73,26 @@ def stage_devices(cfg: TrainConfig) -> list[tuple[str, int]]:
     from bimetal.plan.spec import load_spec
 
     spec = load_spec(p.cluster)
-    width = p.dp * p.tp
-    if p.pp * width != spec.total_gpus:
-        raise UserError(f"parallel.pp*dp*tp = {p.pp}*{p.dp}*{p.tp} = {p.pp * width} GPUs but cluster "
-                        f"{p.cluster} has {spec.total_gpus}; match the layout to the cluster.")
+    widths = [tp * dp for tp, dp, _ in cfg.stage_shapes()]
+    if sum(widths) != spec.total_gpus:
+        what = ("the per-stage shapes need " + "+".join(map(str, widths)) if cfg.per_stage
+                else f"parallel.pp*dp*tp = {p.pp}*{p.dp}*{p.tp} =")
+        raise UserError(f"{what} {sum(widths)} GPUs but cluster {p.cluster} has {spec.total_gpus}; match the "
+                        "layout to the cluster.")
     owner = [g for g in spec.groups for _ in range(g.gpus)]  # GPU index -> its node group, in file order
     out = []
     for j in range(p.pp):
-        groups = {id(g): g for g in owner[j * width:(j + 1) * width]}.values()
+        at = sum(widths[:j])
+        groups = {id(g): g for g in owner[at:at + widths[j]]}.values()
+        if cfg.per_stage and len({g.vendor for g in groups}) > 1:
+            raise UserError(f"stage {j}: its {widths[j]} GPUs (parallel.dp_per_stage x tp_per_stage) would span "
+                            f"vendors on cluster {p.cluster}; make each stage's shape fit its island.")
+        tp = cfg.stage_shapes()[j][0]
+        node = next((g for g in groups if g.gpus_per_node % tp), None)
+        if cfg.per_stage and node is not None:
+            raise UserError(f"stage {j}: parallel.tp_per_stage[{j}]={tp} leaves a node of {node.name} "
+                            f"({node.gpus_per_node} GPUs per node) on cluster {p.cluster}; a tensor-parallel group "
+                            "stays inside one node, so choose a tp that divides the GPUs per node.")
         small = min(groups, key=lambda g: g.memory_bytes)
         name = small.gpu if len({g.gpu for g in groups}) == 1 else "/".join(sorted({g.gpu for g in groups}))
         out.append((name, small.memory_bytes))
@@ -97,7 +112,8 @@ def stage_memory(cfg: TrainConfig, stage: int, device: tuple[str, int] = ("unkno
 
     args = models.flavour_args(cfg.model.family, cfg.model.flavour)
     p, ac = cfg.parallel, cfg.activation_checkpoint
-    check_tp(args, p.tp)
+    tp, _, dp_shard = cfg.stage_shapes()[stage]  # this stage's own shape (per-stage layouts)
+    check_tp(args, tp)
     split = cfg.stage_split(args.n_layers)
     first, last = stage == 0, stage == p.pp - 1
     # The trainer's stage (build_stage without the allocation and init that follow it).
@@ -105,13 +121,13 @@ def stage_memory(cfg: TrainConfig, stage: int, device: tuple[str, int] = ("unkno
     model = models.prune_to_stage(models.build_model(cfg.model.family, args, device="meta"),
                                   list(range(start, start + split[stage])), first, last)
     bf16 = cfg.training.dtype != "float32"
-    fsdp = p.dp_shard > 1
-    mb, seq = cfg.data.batch_size // p.microbatches, cfg.data.seq_len
+    fsdp = dp_shard > 1
+    mb, seq = cfg.stage_microbatch(stage), cfg.data.seq_len
     size = boundary_size(cfg)
-    m = measure_stage(model, p.tp, mb, seq, bf16, fsdp=fsdp, boundary_size=size)
-    c = param_bytes(model, p.tp, p.dp_shard)
+    m = measure_stage(model, tp, mb, seq, bf16, fsdp=fsdp, boundary_size=size)
+    c = param_bytes(model, tp, dp_shard)
     n = split[stage]
-    ckpt = {"none": 0, "full": n, "selective": n // ac.every}[ac.mode]
+    ckpt = {"none": 0, "full": n, "selective": n // ac.every}[ac.stage_mode(stage)]
     in_flight = p.microbatches if p.schedule == "gpipe" else min(p.microbatches, p.pp - stage)
     copies = 0 if fsdp else (n - ckpt) * m.block.weight_copies + m.head.weight_copies
     act = (n - ckpt) * m.block.activations + ckpt * m.block_input + m.rope + m.head.activations
@@ -122,7 +138,7 @@ def stage_memory(cfg: TrainConfig, stage: int, device: tuple[str, int] = ("unkno
     gathered = unsharded_grads = 0
     # tp's vocabulary-split embedding gets its gradient back whole (a replicated DTensor of all V rows): it is
     # the .grad kept without FSDP, the unsharded gradient FSDP accumulates with it.
-    whole_emb = args.vocab_size * args.dim * (p.tp - 1) // p.tp if stage == 0 else 0
+    whole_emb = args.vocab_size * args.dim * (tp - 1) // tp if stage == 0 else 0
     if fsdp:
         size = 2 if bf16 else 4  # FSDP's param_dtype: bf16 under autocast, else float32
         if p.pp > 1:  # reshard_after_forward off, resharding off in every backward but the last
@@ -133,12 +149,23 @@ def stage_memory(cfg: TrainConfig, stage: int, device: tuple[str, int] = ("unkno
         backwards = p.microbatches * (cfg.optim.grad_accum if p.pp == 1 else 1)
         unsharded_grads = 4 * (c.local + whole_emb) if backwards > 1 else 0
         transient += c.unit * (size + 4)  # one block's gradient and its float32 reduce-scatter input
-    boundary = mb * seq * args.dim * size // p.tp  # one activation (or gradient) share at a stage boundary
+    boundary = mb * seq * args.dim * size // tp  # one activation (or gradient) share at a stage boundary
     recv = p.microbatches * boundary * ((stage > 0) + (stage < p.pp - 1)) if p.pp > 1 else 0
+    if _ragged(cfg):  # bimetal's runner (train/shaped.py): each microbatch in flight keeps its gathered input;
+        recv = in_flight * boundary * tp * (stage > 0)  # gradients arrive one microbatch at a time
+        transient += boundary * tp * (stage < p.pp - 1)
     grads = 4 * c.held + (0 if fsdp else 4 * whole_emb)
+    shape = {"tp": tp, "dp": cfg.stage_shapes()[stage][1], "dp_shard": dp_shard, "micro_batch": mb,
+             "ac": ac.stage_mode(stage)} if cfg.per_stage else None
     return StageMemory(stage, n, in_flight, device[0], device[1], 4 * c.held, grads,
                        8 * c.held + 4 * c.tensors, in_flight * copies, gathered, unsharded_grads, recv,
-                       in_flight * act, transient, in_flight * m.output if p.pp > 1 else 0)
+                       in_flight * act, transient, in_flight * m.output if p.pp > 1 else 0, shape)
+
+
+def _ragged(cfg: TrainConfig) -> bool:
+    """Stages that differ in tp or dp: they run bimetal's own pipeline runner, not torch's stage."""
+    shapes = cfg.stage_shapes()
+    return len({(tp, dp) for tp, dp, _ in shapes}) > 1
 
 
 def hop_report(cfg: TrainConfig) -> list[HopCost]:
@@ -152,6 +179,17 @@ def hop_report(cfg: TrainConfig) -> list[HopCost]:
         return []
     spec = load_spec(p.cluster)
     owner = [g for g in spec.groups for _ in range(g.gpus)]
+    if cfg.per_stage:  # a global microbatch crosses each boundary, spread over min(widths) pairs at once
+        args = models.FLAVOURS[cfg.model.family][cfg.model.flavour]
+        widths = [tp * dp for tp, dp, _ in cfg.stage_shapes()]
+        total = cfg.global_batch // p.microbatches * cfg.data.seq_len * args.dim * boundary_size(cfg)
+        out = []
+        for j in range(p.pp - 1):
+            pairs = min(widths[j], widths[j + 1])
+            ends = [owner[sum(widths[:j])], owner[sum(widths[:j + 1])]]
+            h = hop_costs(ends, pairs, total / pairs, p.pp_transport, p.homogeneous_backend)[0]
+            out.append(replace(h, stages=(j, j + 1)))
+        return out
     width = p.dp * p.tp
     args = models.flavour_args(cfg.model.family, cfg.model.flavour)
     nbytes = cfg.data.batch_size // p.microbatches * cfg.data.seq_len * args.dim * boundary_size(cfg) / p.tp
@@ -180,12 +218,21 @@ def format_report(cfg: TrainConfig, stages: list[StageMemory]) -> str:
         return f"{x / scale:.1f}"
 
     dtype = "float32" if cfg.training.dtype == "float32" else (
-        "bf16 (FSDP gathers bf16 weights)" if p.dp_shard > 1 else "bf16 autocast") + \
+        "bf16 (FSDP gathers bf16 weights)" if max(sh for _, _, sh in cfg.stage_shapes()) > 1 else "bf16 autocast") + \
         ", float32 master weights and AdamW" + \
         (f", stage boundary {'bf16' if boundary_size(cfg) == 2 else 'float32'}" if p.pp > 1 else "")
-    lines = [f"dry run: {cfg.model.family}/{cfg.model.flavour} pp={p.pp} dp={p.dp} (shard {p.dp_shard}) tp={p.tp} "
-             f"microbatch {cfg.data.batch_size // p.microbatches} x {cfg.data.seq_len} tokens, {p.schedule}, "
-             f"{dtype}, activation checkpoint {ac.mode}" + (f" every {ac.every}" if ac.mode == "selective" else ""),
+    if cfg.per_stage:
+        shape = f"pp={p.pp} stages " + " | ".join(
+            f"{s}: dp={dp} (shard {sh}) tp={tp} microbatch {cfg.stage_microbatch(s)}"
+            for s, (tp, dp, sh) in enumerate(cfg.stage_shapes())) + \
+            f", global batch {cfg.global_batch} x {cfg.data.seq_len} tokens, {p.schedule} (per-stage shapes), "
+    else:
+        shape = (f"pp={p.pp} dp={p.dp} (shard {p.dp_shard}) tp={p.tp} microbatch "
+                 f"{cfg.data.batch_size // p.microbatches} x {cfg.data.seq_len} tokens, {p.schedule}, ")
+    lines = [f"dry run: {cfg.model.family}/{cfg.model.flavour} " + shape +
+             f"{dtype}, activation checkpoint "
+             + (" | ".join(ac.mode_per_stage) if ac.mode_per_stage else ac.mode)
+             + (f" every {ac.every}" if "selective" in (ac.mode, *ac.mode_per_stage) else ""),
              f"{unit} per GPU (1 {unit} = {scale:.0e} bytes):",
              f"{'stage':>5} {'layers':>6} {'mb':>3} {'device':<14} {'params':>7} {'grads':>7} {'optim':>7} "
              f"{'copies':>7} {'gather':>7} {'ugrads':>7} {'recv':>7} {'activ':>7} {'trans':>7} {'total':>7} "
@@ -221,7 +268,7 @@ def dry_run(cfg: TrainConfig, as_json: bool = False, local: bool = True) -> int:
             print(f"pipeline hops on {cfg.parallel.cluster}, each on its own link (per step: an activation and its "
                   "gradient per microbatch):\n" + "\n".join(format_hops(hops, cfg.parallel.microbatches)))
         if not local:
-            print(f"a torchrun job of {cfg.parallel.pp * cfg.parallel.dp * cfg.parallel.tp} ranks: its data, tokenizer "
+            print(f"a torchrun job of {cfg.world_size} ranks: its data, tokenizer "
                   "and output folders are checked by each rank on its node at start-up, not here")
     bad = [s for s in stages if s.fits is False]
     if bad and not as_json:

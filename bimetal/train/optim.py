@@ -122,11 +122,20 @@ def _squares(grads: list[torch.Tensor], device: torch.device | str) -> torch.Ten
     return sq
 
 
-def clip_global_norm(model: nn.Module, max_norm: float, pp_group: dist.ProcessGroup | None, pp_size: int) -> float:
-    """Clip to ``max_norm`` by the norm over all stages; returns the norm before clipping."""
+def clip_global_norm(model: nn.Module, max_norm: float, pp_group: dist.ProcessGroup | None, pp_size: int,
+                     counted: bool = True) -> float:
+    """Clip to ``max_norm`` by the norm over all stages; returns the norm before clipping. ``counted=False``: this
+    rank's stage is counted by another rank (per-stage shapes sum over the world, ``pp_group`` None: one rank per
+    stage adds its stage's squares)."""
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     sq = _squares(grads, grads[0].device if grads else "cpu")
-    if pp_size > 1:
+    if not counted:
+        sq = torch.zeros_like(sq)
+    if pp_size > 1 and pp_group is None:  # the world: Gloo on CPU tensors, whatever the device
+        host = sq.cpu()
+        dist.all_reduce(host)
+        sq = host.to(sq.device)
+    elif pp_size > 1:
         dist.all_reduce(sq, group=pp_group)
     norm = float(sq.sqrt())
     if max_norm > 0 and norm > max_norm:

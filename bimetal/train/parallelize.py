@@ -37,14 +37,16 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from bimetal.config import ActivationCheckpointConfig
 
 
-def apply_activation_checkpointing(model: nn.Module, cfg: ActivationCheckpointConfig) -> list[str]:
-    """Wrap the stage's blocks (``model.layers``) as ``cfg`` says; returns the global indices wrapped."""
-    if cfg.mode == "none":
+def apply_activation_checkpointing(model: nn.Module, cfg: ActivationCheckpointConfig, stage: int = 0) -> list[str]:
+    """Wrap the stage's blocks (``model.layers``) as ``cfg`` says for ``stage``; returns the global indices
+    wrapped."""
+    mode = cfg.stage_mode(stage)
+    if mode == "none":
         return []
     wrapped = []
     layers: nn.ModuleDict = model.layers  # type: ignore[assignment]
     for i, key in enumerate(list(layers.keys())):
-        if cfg.mode == "full" or (i + 1) % cfg.every == 0:
+        if mode == "full" or (i + 1) % cfg.every == 0:
             layers[key] = checkpoint_wrapper(layers[key], checkpoint_impl=CheckpointImpl.NO_REENTRANT)
             wrapped.append(key)
     return wrapped

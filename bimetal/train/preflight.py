@@ -37,29 +37,40 @@ def _summary(vendors: list[str]) -> str:
     return ", ".join(f"{v}:{vendors.count(v)}" for v in dict.fromkeys(vendors))
 
 
+def describe_layout(cfg: TrainConfig) -> str:
+    """The layout keys as the user wrote them, for a sentence."""
+    p = cfg.parallel
+    if cfg.per_stage:
+        return (f"the per-stage layout (dp x tp per stage: "
+                f"{' + '.join(f'{d}x{t}' for t, d, _ in cfg.stage_shapes())})")
+    return f"the layout parallel.pp={p.pp} x parallel.dp={p.dp} x parallel.tp={p.tp}"
+
+
 def check_layout(cfg: TrainConfig, vendors: list[str]) -> None:
     """The layout of ``cfg`` on a simulated cluster of ``vendors`` (one host), refused as the ranks would."""
     from bimetal.parallel.groups import plan_groups
     from bimetal.parallel.layout import ParallelDims, plan_layout
+    from bimetal.parallel.mesh import plan_dp_mesh_groups
     from bimetal.topology.records import ClusterView, RankRecord
 
     p = cfg.parallel
-    world = p.pp * p.dp * p.tp
+    world = cfg.world_size
     if world != len(vendors):
-        raise UserError(f"the layout parallel.pp={p.pp} x parallel.dp={p.dp} x parallel.tp={p.tp} needs {world} "
-                        f"ranks but --simulate gives {len(vendors)} ({_summary(vendors)}); change one to match.")
+        raise UserError(f"{describe_layout(cfg)} needs {world} ranks but --simulate gives {len(vendors)} "
+                        f"({_summary(vendors)}); change one to match.")
     view = ClusterView([RankRecord(r, r, "localhost", v, "cpu", 0) for r, v in enumerate(vendors)])
-    layout = plan_layout(view, ParallelDims(pp=p.pp, dp=p.dp, tp=p.tp, allow_cross_vendor_dp=p.allow_cross_vendor_dp))
+    layout = plan_layout(view, ParallelDims.from_config(cfg))
     plan_groups(view, layout, {"pp": p.pp_transport, "dp": p.dp_transport}, simulated=True)
+    if cfg.per_stage:
+        plan_dp_mesh_groups(view, layout, [sh for _, _, sh in cfg.stage_shapes()], {"dp": p.dp_transport})
 
 
 def check_world(cfg: TrainConfig, world: int) -> None:
     """A rank's own check of the layout against ``WORLD_SIZE`` (torchrun, or a launcher)."""
-    p = cfg.parallel
-    need = p.pp * p.dp * p.tp
+    need = cfg.world_size
     if need != world:
-        raise UserError(f"the layout parallel.pp={p.pp} x parallel.dp={p.dp} x parallel.tp={p.tp} needs {need} "
-                        f"ranks but this job has WORLD_SIZE={world}; start {need} ranks or change the layout.")
+        raise UserError(f"{describe_layout(cfg)} needs {need} ranks but this job has WORLD_SIZE={world}; start "
+                        f"{need} ranks or change the layout.")
 
 
 def check_slurm(cfg: TrainConfig, job: SlurmJob) -> None:
@@ -101,10 +112,12 @@ def check_data(cfg: TrainConfig) -> None:
     args = flavour_args(cfg.model.family, cfg.model.flavour)
     tokens = load_tokens(cfg.data.path, build_tokenizer(cfg.data.tokenizer), cfg.data.bin_dtype)
     dp = cfg.parallel.dp
-    need = cfg.data.batch_size * dp * cfg.data.seq_len + 1
+    need = cfg.global_batch * cfg.data.seq_len + 1
     if len(tokens) < need:
-        raise UserError(f"the data has {len(tokens)} tokens, too few for {dp} replicas x batch {cfg.data.batch_size}"
-                        f" x seq_len {cfg.data.seq_len}; use more data or smaller data.seq_len/data.batch_size.")
+        what = (f"a global batch of {cfg.global_batch}" if cfg.per_stage
+                else f"{dp} replicas x batch {cfg.data.batch_size}")
+        raise UserError(f"the data has {len(tokens)} tokens, too few for {what} x seq_len {cfg.data.seq_len}; use "
+                        "more data or smaller data.seq_len/data.batch_size.")
     head = np.asarray(tokens[:_SAMPLE_TOKENS])
     if head.size and int(head.max()) >= args.vocab_size:
         where = Path(cfg.data.path) if cfg.data.path else "the shipped corpus"

@@ -31,7 +31,14 @@ from bimetal.errors import UserError
 from bimetal.outputs import check_folder
 from bimetal.supervisor import REPORT_ENV
 from bimetal.topology.vendor import is_simulated, parse_simulate
-from bimetal.train.preflight import check_data, check_layout, check_model, check_world, choose_layout
+from bimetal.train.preflight import (
+    check_data,
+    check_layout,
+    check_model,
+    check_world,
+    choose_layout,
+    describe_layout,
+)
 from bimetal.transports import TRANSPORTS
 
 _log = logging.getLogger(__name__)
@@ -95,19 +102,28 @@ def _check_transports(cfg: TrainConfig) -> None:
 
 def _check_tp_divides_model(cfg: TrainConfig) -> None:
     """Refuse a ``parallel.tp`` that does not divide the model's heads, kv heads, MLP width or vocabulary."""
-    if cfg.parallel.tp > 1:  # the model's shapes must split by tp; refused here rather than on every rank
+    tps = dict.fromkeys(tp for tp, _, _ in cfg.stage_shapes())
+    if max(tps) > 1:  # the model's shapes must split by tp; refused here rather than on every rank
         from bimetal.models import flavour_args
         from bimetal.train.tp import check_tp
 
         m = cfg.model
-        check_tp(flavour_args(m.family, m.flavour), cfg.parallel.tp, f"{m.family}/{m.flavour}")
+        for s, tp in enumerate(tp for tp, _, _ in cfg.stage_shapes()):
+            try:
+                check_tp(flavour_args(m.family, m.flavour), tp, f"{m.family}/{m.flavour}")
+            except UserError as exc:
+                if not cfg.per_stage:
+                    raise
+                named = str(exc).replace(f"parallel.tp={tp}", f"parallel.tp_per_stage[{s}]={tp}", 1)
+                raise UserError(f"stage {s}: {named}") from None
 
 
 def _auto_layout(ns: argparse.Namespace, overrides: list[str], vendors: list[str]) -> tuple[list[str], str]:
     """With no config and no layout on the command line: the layout from the simulated world (chosen before
     ``parallel.layers_per_stage`` is checked against it), and the sentence saying so."""
     given = parse_overrides(overrides)
-    if ns.config or {"parallel.pp", "parallel.dp", "parallel.tp"} & set(given):
+    if ns.config or {"parallel.pp", "parallel.dp", "parallel.tp", "parallel.tp_per_stage", "parallel.dp_per_stage",
+                     "parallel.dp_shard_per_stage"} & set(given):
         return [], ""
     from bimetal.models import flavour_args
 
@@ -179,8 +195,7 @@ def prepare(ns: argparse.Namespace, rest: list[str]) -> Job:
 
 def _checked(ns: argparse.Namespace, cfg: TrainConfig, vendors: list[str], in_rank: bool, auto: list[str],
              note: str) -> Job:
-    p = cfg.parallel
-    world = p.pp * p.dp * p.tp
+    world = cfg.world_size
     if cfg.metrics.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise UserError("metrics.tensorboard=true needs the tensorboard package, which is not installed; "
                         "pip install tensorboard, or drop the setting.")
@@ -195,7 +210,7 @@ def _checked(ns: argparse.Namespace, cfg: TrainConfig, vendors: list[str], in_ra
     if vendors:
         check_layout(cfg, vendors)
     elif world > 1 and not ns.dry_run:
-        raise UserError(f"the layout parallel.pp={p.pp} x parallel.dp={p.dp} needs {world} ranks but this is one "
+        raise UserError(f"{describe_layout(cfg)} needs {world} ranks but this is one "
                         "process outside torchrun (world size 1); add --simulate (e.g. --simulate nvidia:2,amd:2) or "
                         "start it with torchrun.")
     local = bool(vendors) or world == 1

@@ -6,9 +6,10 @@ activation checkpointing, then FSDP2 over the stage-local mesh when ``parallel.d
 ``grad_accum`` schedule runs (each over ``parallel.microbatches`` microbatches), gradient average over the dp
 group (done by FSDP's reduce-scatter/all-reduce in the backward when sharded), one global-norm clip over all
 stages and replicas, AdamW, lr schedule, metrics, checkpoint (one part per shard owner when sharded:
-``shards``). Single-process
-runs (pp=dp=1, no process group) use the same loop with a plain forward and the same microbatch split, so
-the two agree to float32 rounding.
+``shards``). Stages of different tp or dp (``parallel.*_per_stage``) run ``ShapedRunner`` (``shaped``) in place of
+torch's schedule: their boundary joins and splits microbatch rows between replicas, and the loss and gradient norm
+are summed over the world. Single-process runs (pp=dp=1, no process group) use the same loop with a plain forward
+and the same microbatch split, so the two agree to float32 rounding.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from bimetal.train.parallelize import (
     tensor_bytes,
 )
 from bimetal.train.pipeline import PipelineRunner, StageModule, boundary_dtype, stage_layer_ids
+from bimetal.train.shaped import ShapedRunner
 from bimetal.train.shards import merge_loaded, part_name, to_local
 from bimetal.train.tokenizer import build_tokenizer
 from bimetal.train.tp import apply_tp, check_tp, tp_mesh
@@ -97,19 +99,27 @@ class _XvendorMeter:
     transport's algorithm). Time is this rank's schedule time minus its stage compute (waits for the peer
     included) when it has a crossing hop, plus the time of a vendor-spanning gradient average. Under HSDP with
     a vendor-spanning replicate dimension the dp bytes are the gradient shard each rank all-reduces; that
-    all-reduce runs inside the backward, so its time is not separated out.
+    all-reduce runs inside the backward, so its time is not separated out. Per-stage shapes (``ShapedRunner``):
+    the counters of this rank's cross-vendor boundary pair groups, else the bytes of the pieces it sent across.
     """
 
-    def __init__(self, ctx: Any, runner: PipelineRunner | None) -> None:
+    def __init__(self, ctx: Any, runner: PipelineRunner | ShapedRunner | None) -> None:
         name = ctx.my_group_name("pp") if ctx else None
         # the same on every rank (read() all-reduces): whether the pipelines span vendors at all
         self.pp = runner is not None and name is not None and ctx.spec(name).kind == "cross-vendor"
         self.dp = bool(ctx) and ctx.dp_size > 1 and ctx.dp_spans_vendors
-        self.active = self.pp or self.dp
         self.runner, self.ctx = runner, ctx
         self.peers = _cross_vendor_neighbours(ctx, name) if self.pp and name else set()
         self.counters: list[Any] | None = None
-        if self.pp:
+        self.shaped = runner if isinstance(runner, ShapedRunner) else None
+        if self.shaped is not None:  # boundary pairs: the crossing ones' transport counters, else the pieces sent
+            from bimetal.parallel.groups import PAIR
+
+            self.pp = any(g.axis == PAIR and g.kind == "cross-vendor" for g in ctx.group_specs)
+            self.counters = self.shaped.cross_counters()
+            self.peers = {0} if self.shaped.crosses else set()
+        self.active = self.pp or self.dp
+        if self.pp and self.shaped is None:
             pg = ctx.pp_group
             if hasattr(pg, "cross_vendor_counters"):
                 self.counters = pg.cross_vendor_counters()
@@ -124,7 +134,9 @@ class _XvendorMeter:
     def _sent(self) -> int:
         if self.counters is not None:
             return sum(int(c.snapshot()["bytes_sent"]) for c in self.counters)
-        if self.runner is None or not self.pp:
+        if self.shaped is not None:
+            return self.shaped.cross_sent
+        if not isinstance(self.runner, PipelineRunner) or not self.pp:
             return 0
         return sum(n for peer, n in self.runner.pipe_stage.sent_to.items() if peer in self.peers)
 
@@ -135,7 +147,10 @@ class _XvendorMeter:
         now = self._sent()
         sent, self._last = now - self._last, now
         busy = dp_s if self.dp else 0.0
-        if self.runner is not None:
+        if self.shaped is not None:
+            busy += max(0.0, schedule_s - self.shaped.compute_s) if self.peers else 0.0
+            self.shaped.compute_s = 0.0
+        elif isinstance(self.runner, PipelineRunner):
             st = self.runner.pipe_stage
             busy += max(0.0, schedule_s - st.compute_s) if self.peers else 0.0
             st.reset_counters()
@@ -176,7 +191,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         raise UserError(f"tokenizer {cfg.data.tokenizer!r} has {tok.vocab_size} tokens but model "
                         f"{cfg.model.family}/{cfg.model.flavour} has only {args.vocab_size}; match them.")
     split = cfg.stage_split(args.n_layers)
-    check_tp(args, cfg.parallel.tp, f"{cfg.model.family}/{cfg.model.flavour}")
+    for tp in dict.fromkeys(tp for tp, _, _ in cfg.stage_shapes()):
+        check_tp(args, tp, f"{cfg.model.family}/{cfg.model.flavour}")
     torch.manual_seed(cfg.training.seed)
     torch.set_num_threads(env.read_int("BIMETAL_THREADS", 1))
     if cfg.training.deterministic:
@@ -185,28 +201,30 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     # The rank's GPU, bound before any process group exists: NCCL/RCCL and every transport buffer land on it.
     device = bind_rank_device()
     ctx = None
-    if cfg.parallel.pp * cfg.parallel.dp * cfg.parallel.tp > 1:
+    if cfg.world_size > 1:
         from bimetal.parallel import ParallelDims, init_parallel
 
-        ctx = init_parallel(ParallelDims(pp=cfg.parallel.pp, dp=cfg.parallel.dp, tp=cfg.parallel.tp,
-                                         allow_cross_vendor_dp=cfg.parallel.allow_cross_vendor_dp),
+        ctx = init_parallel(ParallelDims.from_config(cfg),
                             transports={"pp": cfg.parallel.pp_transport, "dp": cfg.parallel.dp_transport,
                                         "homogeneous": cfg.parallel.homogeneous_backend},
                             timeout=timedelta(seconds=cfg.parallel.timeout_s),
                             interfaces=cfg.parallel.interfaces or None)
     smesh = None
+    shards = [sh for _, _, sh in cfg.stage_shapes()]
     try:
-        if ctx is not None and cfg.parallel.dp_shard > 1:
+        if ctx is not None and max(shards) > 1:
             from bimetal.parallel.mesh import build_stage_mesh
 
-            smesh = build_stage_mesh(ctx, cfg.parallel.dp_shard, device.type, {"dp": cfg.parallel.dp_transport},
-                                     timedelta(seconds=cfg.parallel.timeout_s))
+            smesh = build_stage_mesh(ctx, shards if cfg.per_stage else cfg.parallel.dp_shard, device.type,
+                                     {"dp": cfg.parallel.dp_transport}, timedelta(seconds=cfg.parallel.timeout_s))
             if ctx.rank == 0:
                 from bimetal.parallel.groups import format_group_table
 
                 print("bimetal FSDP mesh groups (shard, replicate; a name from the table above is that group):\n"
                       + format_group_table(smesh.specs), flush=True)
-        return _run(cfg, ctx, smesh, models, args, split, tokens, device)
+        # a rank whose stage does not shard (per-stage dp_shard) holds the mesh groups only to destroy them
+        return _run(cfg, ctx, smesh if smesh is not None and smesh.sharding else None, models, args, split, tokens,
+                    device)
     finally:
         if smesh is not None:
             smesh.destroy()
@@ -235,7 +253,7 @@ def _build_stage(cfg: TrainConfig, ctx: Any, models: Any, args: Any, split: list
     if ctx is not None and ctx.tp_size > 1:  # under FSDP the tp dimension of the stage mesh, to compose
         mesh = smesh.tp_mesh if smesh is not None else tp_mesh(ctx.tp_group, device)
         apply_tp(model, mesh)
-    apply_activation_checkpointing(model, cfg.activation_checkpoint)
+    apply_activation_checkpointing(model, cfg.activation_checkpoint, stage)
     local = StageModule(model, amp, device.type, boundary_dtype(cfg.parallel.pp_boundary_dtype, amp))
     if smesh is not None:
         apply_fsdp(local, model, smesh.dp_mesh, pipelined=n_stages > 1, param_dtype=amp)
@@ -253,12 +271,18 @@ def _run(cfg: TrainConfig, ctx: Any, smesh: Any, models: Any, args: Any, split: 
     model, local, mesh = _build_stage(cfg, ctx, models, args, split, stage, n_stages, device, amp, smesh)
     opt = build_optimizer(model, cfg.optim)
     sched = build_scheduler(opt, cfg.optim, cfg.training.steps)
-    stream = TokenStream(tokens, cfg.data.seq_len, cfg.data.batch_size, dp_rank, dp_size, cfg.training.seed,
-                         vocab_size=args.vocab_size)
+    shaped = ctx is not None and ctx.shaped
+    # per replica (per-stage shapes: every rank reads the whole global batch; ShapedRunner takes its rows)
+    batch = cfg.global_batch if shaped else cfg.global_batch // dp_size
+    stream = TokenStream(tokens, cfg.data.seq_len, batch, 0 if shaped else dp_rank, 1 if shaped else dp_size,
+                         cfg.training.seed, vocab_size=args.vocab_size)
     n_mb = cfg.parallel.microbatches
-    mb, seq = cfg.data.batch_size // n_mb, cfg.data.seq_len
-    runner = None
-    if n_stages > 1:
+    mb, seq = batch // n_mb, cfg.data.seq_len
+    runner: PipelineRunner | ShapedRunner | None = None
+    if shaped:
+        runner = ShapedRunner(local, ctx, n_mb, cfg.global_batch, seq, args.dim, local.boundary_dtype, device,
+                              cfg.parallel.schedule)
+    elif n_stages > 1:
         # Shapes and dtypes only (meta: no storage; a real [mb, seq, vocab] float32 example of an 8B model at
         # seq 8192 held 4.2 GB for the whole job): the boundary's dtype, and the last stage's logits in it too.
         edt = local.boundary_dtype
@@ -323,7 +347,12 @@ def _run(cfg: TrainConfig, ctx: Any, smesh: Any, models: Any, args: Any, split: 
         schedule_s = 0.0
         for acc in range(cfg.optim.grad_accum):
             x, y = (t.to(device) for t in stream.next_batch())
-            if runner is not None:
+            if isinstance(runner, ShapedRunner):
+                ts = time.perf_counter()
+                with _during(rank, step + 1, "pipeline boundary (per-stage shapes)", None):
+                    loss_sum += runner.step(x, y)
+                schedule_s += time.perf_counter() - ts
+            elif runner is not None:
                 ts = time.perf_counter()
                 with _during(rank, step + 1, "pipeline schedule", pp_name):
                     loss_sum += runner.step(x if stage == 0 else None, y if stage == n_stages - 1 else None)
@@ -350,22 +379,28 @@ def _run(cfg: TrainConfig, ctx: Any, smesh: Any, models: Any, args: Any, split: 
                 dp_bytes = tensor_bytes(grads) if smesh.replicate_spans_vendors else 0
         dp_s = time.perf_counter() - td
         with _during(rank, step + 1, "global gradient norm", pp_name):
-            norm = clip_global_norm(model, cfg.optim.grad_clip, ctx.pp_group if ctx else None, n_stages)
+            if shaped:  # over the world, each stage counted once (its replica 0, tp rank 0)
+                norm = clip_global_norm(model, cfg.optim.grad_clip, None, n_stages,
+                                        counted=dp_rank == 0 and ctx.tp_rank == 0)
+            else:
+                norm = clip_global_norm(model, cfg.optim.grad_clip, ctx.pp_group if ctx else None, n_stages)
         lr = opt.param_groups[0]["lr"]
         opt.step()
         sched.step()
         if step == start:
-            held = runner.pipe_stage.fsdp_held if runner is not None else None  # FSDP's unsharded buffers
-            st = runner.pipe_stage if runner is not None else None
+            st = runner.pipe_stage if isinstance(runner, PipelineRunner) else None
+            held = st.fsdp_held if st is not None else None  # FSDP's unsharded buffers
             pipe = {"recv_buffers": st.recv_buffer_bytes(), "held_outputs": st.held_outputs} if st is not None else {}
+            if isinstance(runner, ShapedRunner):  # the received inputs it kept for their backward, at most
+                pipe = {"recv_buffers": runner.held_inputs}
             _write_memory(cfg.metrics.run_dir, rank, memory_bytes(model, opt) | (held or {}) | pipe)
         loss_t = (loss_sum / cfg.optim.grad_accum).reshape(1)
-        if dp_size > 1:
+        if dp_size > 1 and not shaped:  # the shaped runner's loss is already the global mean
             with _during(rank, step + 1, "loss all-reduce", dp_name):
                 dist.all_reduce(loss_t, group=ctx.dp_group)
             loss_t /= dp_size
         comm_s, comm_bytes = meter.read(schedule_s, dp_s, dp_bytes)
-        ntok = cfg.data.batch_size * seq * cfg.optim.grad_accum * dp_size
+        ntok = cfg.global_batch * seq * cfg.optim.grad_accum
         metrics.log(step + 1, float(loss_t), ntok, time.perf_counter() - t0, lr, norm, comm_s, comm_bytes,
                     transport_meter.step())
         every = cfg.checkpoint.every
@@ -386,6 +421,12 @@ def _run(cfg: TrainConfig, ctx: Any, smesh: Any, models: Any, args: Any, split: 
         export_model(model, family, args, split, ctx, cfg.checkpoint.export_hf, cfg.checkpoint.export_shard_bytes)
     # the transports as built (a device-direct group that fell back reports cpu-forward and why)
     transport, fallback = pipeline_transport(ctx, pp_name) if runner is not None and pp_name else ("none", "")
+    if shaped:
+        from bimetal.parallel.groups import PAIR
+
+        transport = ", ".join(sorted({ctx.built_backend(g.name) if ctx.rank in g.ranks else g.backend
+                                      for g in ctx.group_specs if g.axis == PAIR and g.kind == "cross-vendor"}))
+        fallback = next((why for name, why in ctx.fallbacks.items() if name.startswith("pp.b")), "")
     dp_x = "none"
     if meter.dp:
         dp_x = ctx.built_backend(dp_name) + (" (hierarchical)" if ctx.hierarchical else " (flat)")

@@ -61,6 +61,21 @@ def _given(args: list[str], key: str) -> bool:
     return any(a == f"--{key}" or a.startswith(f"--{key}=") for a in args)
 
 
+PER_STAGE = ("tp_per_stage", "dp_per_stage", "dp_shard_per_stage")
+"""bimetal train's per-stage shape keys: torchtitan's meshes are uniform, so ``bimetal titan`` refuses them."""
+
+
+def _refuse_per_stage(titan_args: list[str], plan: dict[str, Any]) -> None:
+    """One sentence if the command line or the ``--plan`` file asks for per-stage shapes."""
+    named = [a.split("=")[0] for a in titan_args for key in PER_STAGE
+             if a.lstrip("-").split("=")[0] in (key, f"parallel.{key}", key.replace("_", "-"))]
+    named += [f"[bimetal] {key} in the plan file" for key in PER_STAGE if plan.get("bimetal", {}).get(key)]
+    if named:
+        raise UserError(f"per-stage shapes ({named[0]}) cannot run under torchtitan, whose meshes give every "
+                        "pipeline stage the same tp, dp and dp_shard; use bimetal train for them, or a uniform plan "
+                        "here.")
+
+
 def _read_plan(path: str | None) -> dict[str, Any]:
     if not path:
         return {}
@@ -202,6 +217,7 @@ def main(argv: list[str]) -> int:
     if opts.cpu and opts.simulate:
         raise UserError("--cpu installs the CPU stand-ins for one rank without --simulate; --simulate installs them "
                         "already: drop --cpu.")
+    _refuse_per_stage(titan_args, _read_plan(opts.plan))  # before anything is installed or written
     check_needs(simulated=bool(opts.simulate or read_env("BIMETAL_SIMULATE")))
     check_folder("--dump_folder", _dump_folder(titan_args))  # before torchtitan's slow import
     plan = _read_plan(opts.plan)

@@ -4,10 +4,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # Debian packages some tests use: libibverbs1 (Mooncake's library links it even for TCP), iproute2 (the lab:
-# ip, tc), iptables (the lab's link latency and packet loss on kernels without netem), g++ and ninja-build
-# (`bench comm --transports cpp-ceiling` compiles its C++ group on first use), slurm-wlm and munge (a private Slurm
-# that tests/test_slurm_real.py starts and stops to run `bimetal slurm`'s scripts).
-DEB_PACKAGES := libibverbs1 iproute2 iptables g++ ninja-build slurm-wlm munge
+# ip, tc), iptables (the lab's link latency and packet loss on kernels without netem), slurm-wlm and munge (a
+# private Slurm that tests/test_slurm_real.py starts and stops to run `bimetal slurm`'s scripts).
+DEB_PACKAGES := libibverbs1 iproute2 iptables slurm-wlm munge
 
 .PHONY: venv demo test lint debian-packages clean gpu-check docs
 

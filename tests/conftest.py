@@ -43,17 +43,6 @@ def iptables_unavailable() -> str | None:
     return None
 
 
-def compiler_unavailable() -> str | None:
-    """Why ``bench comm --transports cpp-ceiling`` cannot build its C++ group here (no c++ or ninja), or None."""
-    from bimetal.bench.comm import missing_cpp_tools
-
-    missing = missing_cpp_tools()
-    if missing:
-        return (f"{' and '.join(missing)} not installed (cpp-ceiling compiles on first use); run `make test` as root "
-                "or `sudo apt-get install g++ ninja-build`")
-    return None
-
-
 def lab_unavailable() -> str | None:
     """Why this machine cannot host a lab, or None when it can."""
     if not hasattr(os, "geteuid") or os.geteuid() != 0:

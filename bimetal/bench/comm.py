@@ -1,7 +1,6 @@
 """``bimetal bench comm``: bandwidth and latency against message size for raw Gloo, cpu-forward with 1..K
 stripes and (with ``--transports``) device-direct, the bare device-direct engine (``dd-engine``) and the fastest
-a process group written in Python (``py-ceiling``) or in C++ (``cpp-ceiling``) can be, measured side by side in
-one run.
+a process group written in Python (``py-ceiling``) can be, measured side by side in one run.
 
 Two ranks: rank 0 sends, rank 1 receives and answers with a 1-element acknowledgement, so a delivery is
 complete when it returns; a sample is the mean of about 4 MiB's worth of deliveries (1 to 32). Variants are
@@ -10,10 +9,10 @@ reported, and the ratios the performance targets name are printed, each as the m
 (paired) ratios with their interquartile range: cpu-forward on one stripe against raw Gloo on the same link
 (bandwidth from 64 KiB up, latency below), K stripes against K times one, and device-direct against
 cpu-forward on one stripe (bandwidth at 64 MiB, latency at 4 KiB; device-direct listens on the first
-``--ifaces`` link too, so all variants share one link), and ``py-ceiling`` and ``cpp-ceiling`` against Gloo
-and against cpu-forward (see ``PythonCeiling`` and ``cpp_ceiling.cpp``). Sizes take K/M/G suffixes everywhere (``--sizes
-4K,1M``, ``--chunk-bytes 1M``). Outside a launched job it starts two simulated ranks on this machine; under
-torchrun (the lab, real nodes) it uses the job's ranks.
+``--ifaces`` link too, so all variants share one link), and ``py-ceiling`` against Gloo and against cpu-forward
+(see ``PythonCeiling``). Sizes take K/M/G suffixes everywhere (``--sizes 4K,1M``, ``--chunk-bytes 1M``).
+Outside a launched job it starts two simulated ranks on this machine; under torchrun (the lab, real nodes) it
+uses the job's ranks.
 Writes ``bench_comm.json`` and ``bench_comm.png`` (matplotlib, if installed) to ``--out``.
 """
 
@@ -46,8 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ifaces", default="lo", help="interfaces, one per stripe, reused round robin (default lo)")
     p.add_argument("--transports", default="gloo,cpu-forward",
                    help="gloo, cpu-forward, device-direct, dd-engine (the engine alone: the ceiling of device-direct), "
-                        "py-ceiling (a Python group returning Gloo's own work: the ceiling of cpu-forward x1), "
-                        "cpp-ceiling (the same group in C++, built on first use: needs g++ and ninja)")
+                        "py-ceiling (a Python group returning Gloo's own work: the ceiling of cpu-forward x1)")
     p.add_argument("--chunk-bytes", default="", help="cpu-forward chunk size, e.g. 1M (default 4M)")
     p.add_argument("--out", default="runs/bench_comm", help="folder for bench_comm.json / .png")
     p.add_argument("--simulate", default="nvidia:1,amd:1", help="ranks started here when not under torchrun")
@@ -74,12 +72,10 @@ def main(argv: list[str]) -> int:
     except ValueError:
         raise UserError(f"--stripes {args.stripes!r}: write stripe counts like 1,2,4") from None
     transports = [t.strip() for t in args.transports.split(",") if t.strip()]
-    unknown = set(transports) - {"gloo", "cpu-forward", "device-direct", "dd-engine", "py-ceiling", "cpp-ceiling"}
+    unknown = set(transports) - {"gloo", "cpu-forward", "device-direct", "dd-engine", "py-ceiling"}
     if unknown or not sizes or not stripes or min(stripes) < 1 or args.iters < 1:
         raise UserError(f"bad benchmark arguments (transports {sorted(unknown) or transports}, stripes {stripes}, "
                         f"iters {args.iters}); see bimetal bench comm --help")
-    if "cpp-ceiling" in transports:
-        _cpp_tools()
     if "RANK" not in os.environ:
         check_folder("--out", args.out)  # rank 0 writes it after every measurement
         from bimetal.launch import launch
@@ -124,8 +120,6 @@ def _groups(args: argparse.Namespace, stripes: list[int], transports: list[str],
         opts = CpuForwardOptions(stripes=1, interfaces=ifaces[:1], chunk_bytes=args.chunk_bytes)
         groups["py-ceiling"] = PythonCeiling(dist.new_group([0, 1], backend="bimetal_cpu_forward", pg_options=opts,
                                                             group_desc="bench.py-ceiling"))
-    if "cpp-ceiling" in transports:
-        groups["cpp-ceiling"] = _cpp_ceiling_group(ifaces)
     dd_host = {"host": _iface_address(ifaces[0])} if ifaces else {}
     if "device-direct" in transports:
         groups["device-direct"] = dist.new_group([0, 1], backend="bimetal_device_direct", group_desc="bench.dd",
@@ -168,52 +162,6 @@ class PythonCeiling:
         if len(tensors) == 1 and self._takes(tensors[0], ("recv", src)):
             return self.lean.stripe.recv(tensors, src, tag)
         return self.pg.recv(tensors, src, tag)
-
-
-_CPP_SOURCE = Path(__file__).with_name("cpp_ceiling.cpp")
-_CPP_BACKEND = "bimetal_cpp_ceiling"
-
-
-def missing_cpp_tools() -> list[str]:
-    """What of the C++ compiler and ninja (torch's C++ extension loader needs both) is not on PATH."""
-    import shutil
-
-    return [tool for tool in ("c++", "ninja") if shutil.which(tool) is None]
-
-
-def _cpp_tools() -> None:
-    """``cpp-ceiling`` is compiled on first use (torch's C++ extension loader): say so before anything starts."""
-    missing = missing_cpp_tools()
-    if missing:
-        raise UserError(f"--transports cpp-ceiling compiles a C++ group on first use and needs {' and '.join(missing)}"
-                        " on PATH (Debian: apt-get install g++ ninja-build)")
-
-
-def cpp_ceiling() -> Any:
-    """The compiled ``cpp-ceiling`` module (``cpp_ceiling.cpp``), built once per torch version in torch's extension
-    cache (about 25 s on 2 cores); ranks started together wait on one build."""
-    from torch.utils.cpp_extension import load
-
-    return load(name=_CPP_BACKEND, sources=[str(_CPP_SOURCE)], extra_cflags=["-O2"])
-
-
-def _cpp_ceiling_group(ifaces: list[str]) -> Any:
-    """``cpp-ceiling`` on the link the ``gloo`` variant uses, called the way that variant is: through a process
-    group of the job (no ``--ifaces``), or as the bare back-end on the first ``--ifaces`` link (Gloo there is the
-    bare stripe). Either way each call reaches Gloo through one C++ ``send``/``recv`` of ours."""
-    import torch.distributed as dist
-
-    module = cpp_ceiling()
-    if ifaces:
-        from bimetal.comm.striping import build_stripes
-
-        store = dist.PrefixStore("bench-cpp-ceiling", dist.distributed_c10d._get_default_store())
-        return module.CppCeiling(build_stripes(store, dist.get_rank(), 2, timedelta(seconds=300), [ifaces[0]])[0])
-    if not hasattr(dist.Backend, _CPP_BACKEND.upper()):  # once per process (torch refuses a second)
-        dist.Backend.register_backend(
-            _CPP_BACKEND, lambda store, rank, size, timeout: module.CppCeiling(
-                dist.ProcessGroupGloo(store, rank, size, timeout)), devices=["cpu"])
-    return dist.new_group([0, 1], backend=_CPP_BACKEND, group_desc="bench.cpp-ceiling")
 
 
 _SMALL, _SMALL_ITERS = 64 << 10, 200
@@ -302,10 +250,8 @@ def _report(samples: dict[str, dict[int, list[float]]], sizes: list[int]) -> dic
     ref = 64 * 2**20 if 64 * 2**20 in sizes else max(sizes)
     small = 4 << 10 if 4 << 10 in sizes else min(sizes)
     one = "cpu-forward x1"
-    # bandwidth ratio = the reference's time / the variant's, per iteration (the ceilings: see PythonCeiling and
-    # cpp_ceiling.cpp)
-    for num, den in ((one, "gloo"), ("py-ceiling", "gloo"), (one, "py-ceiling"), ("cpp-ceiling", "gloo"),
-                     (one, "cpp-ceiling"), ("py-ceiling", "cpp-ceiling")):
+    # bandwidth ratio = the reference's time / the variant's, per iteration (the ceiling: see PythonCeiling)
+    for num, den in ((one, "gloo"), ("py-ceiling", "gloo"), (one, "py-ceiling")):
         if num in samples and den in samples:
             for size in sizes:
                 if size < 64 << 10:

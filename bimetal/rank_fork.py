@@ -30,6 +30,7 @@ import signal
 import sys
 import threading
 import traceback
+import warnings
 from collections.abc import Callable, Mapping
 from typing import IO, Any
 
@@ -193,7 +194,12 @@ def _run_program(rank_argv: list[str]) -> None:
     if rank_argv[0] == "-m":
         sys.argv = [rank_argv[1], *rank_argv[2:]]
         sys.path[0] = os.getcwd()
-        runpy.run_module(rank_argv[1], run_name="__main__", alter_sys=True)
+        with warnings.catch_warnings():
+            # the launcher may have imported the module itself (`bimetal topo` launches bimetal.parallel.cli):
+            # runpy then warns that it exists before it runs as __main__, which a new interpreter would not say
+            warnings.filterwarnings("ignore", message=".*found in sys.modules after import of package",
+                                    category=RuntimeWarning)
+            runpy.run_module(rank_argv[1], run_name="__main__", alter_sys=True)
     elif rank_argv[0] == "-c":
         sys.argv = ["-c", *rank_argv[2:]]
         sys.path[0] = ""

@@ -22,7 +22,8 @@ def test_topo_creates_every_group_with_its_backend() -> None:
     assert rows["pp.dp1"][1] == "1,3"
     assert rows["dp.stage0"][2:] == ["nvidia", "homogeneous-nvidia", "bimetal_sim_native"]
     assert rows["dp.stage1"][2:] == ["amd", "homogeneous-amd", "bimetal_sim_native"]
-    assert "stage 0: nvidia ranks [0, 1]" in proc.stdout and "stage 1: amd ranks [2, 3]" in proc.stdout
+    assert "stage 0: nvidia dp=2 x tp=1 ranks [0, 1]" in proc.stdout
+    assert "stage 1: amd dp=2 x tp=1 ranks [2, 3]" in proc.stdout
 
 
 RANK_SCRIPT = """

@@ -56,3 +56,15 @@ def test_device_table_covers_both_vendors() -> None:
     mi300 = devices.lookup("AMD Instinct MI300X")
     assert mi300 is not None and mi300.vendor == "amd"
     assert devices.lookup("Some Future GPU 9000") is None
+
+
+def test_ranks_get_the_simulation_by_one_channel_and_it_is_parsed_once() -> None:
+    from bimetal.simulate import _parse, parse_simulate, strip_simulate
+
+    argv = ["--config", "c.toml", "--simulate", "nvidia:1,amd:1", "--parallel.dp=1", "--simulate=amd:2", "--x"]
+    assert strip_simulate(argv) == ["--config", "c.toml", "--parallel.dp=1", "--x"]
+    _parse.cache_clear()
+    first = parse_simulate("nvidia:2,amd:1")
+    first.append("amd")  # a caller's list is its own: the parsed spec is not changed by it
+    assert parse_simulate("nvidia:2,amd:1") == ["nvidia", "nvidia", "amd"]
+    assert _parse.cache_info().misses == 1 and _parse.cache_info().hits == 1

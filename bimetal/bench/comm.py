@@ -79,8 +79,9 @@ def main(argv: list[str]) -> int:
     if "RANK" not in os.environ:
         check_folder("--out", args.out)  # rank 0 writes it after every measurement
         from bimetal.launch import launch
+        from bimetal.simulate import strip_simulate
 
-        return launch(["-m", "bimetal.bench.comm", *argv], simulate=args.simulate)
+        return launch(["-m", "bimetal.bench.comm", *strip_simulate(argv)], simulate=args.simulate)
     return _run(args, sizes, stripes, transports)
 
 

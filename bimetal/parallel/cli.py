@@ -51,8 +51,10 @@ def main(argv: list[str]) -> int:
             raise UserError("outside torchrun, give --simulate (e.g. --simulate nvidia:2,amd:2) or run under torchrun")
         _check_before_launch(args)
         from bimetal.launch import launch
+        from bimetal.simulate import strip_simulate
 
-        return launch(["-m", "bimetal.parallel.cli", *argv], simulate=args.simulate, name="bimetal topo")
+        return launch(["-m", "bimetal.parallel.cli", *strip_simulate(argv)], simulate=args.simulate,
+                      name="bimetal topo")
     return _run_rank(args)
 
 

@@ -15,6 +15,7 @@ import sys
 
 from bimetal.args import ArgumentParser
 from bimetal.log import rank_logging
+from bimetal.simulate import strip_simulate
 from bimetal.topology import slurm
 from bimetal.train.metrics import format_summary
 from bimetal.train.preflight import check_slurm
@@ -45,7 +46,7 @@ def main(argv: list[str]) -> int:
     elif job.vendors:
         from bimetal.launch import launch
 
-        return launch(["-m", "bimetal.train", *argv, *job.auto], simulate=ns.simulate,
+        return launch(["-m", "bimetal.train", *strip_simulate(argv), *job.auto], simulate=ns.simulate,
                       nproc_per_node=len(job.vendors), max_restarts=ns.max_restarts, name="bimetal train")
     from bimetal.train.trainer import train
 

@@ -3,6 +3,9 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# Workers of the test suite (pytest-xdist; each test file runs on one worker). The tests start rank processes of
+# their own, so more workers than cores only adds load: `make test TEST_JOBS=1` runs it serially.
+TEST_JOBS ?= 2
 # Debian packages some tests use: libibverbs1 (Mooncake's library links it even for TCP), iproute2 (the lab:
 # ip, tc), iptables (the lab's link latency and packet loss on kernels without netem), slurm-wlm and munge (a
 # private Slurm that tests/test_slurm_real.py starts and stops to run `bimetal slurm`'s scripts).
@@ -43,7 +46,7 @@ lint: $(STAMP)
 	$(BIN)/lint-imports
 
 test: $(STAMP) debian-packages lint
-	$(BIN)/python -m pytest -q --durations=10 tests
+	$(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadfile --durations=10 tests
 
 # docs/environment.md from bimetal/env.py's variable table (tests/test_docs.py holds the two equal).
 docs: $(STAMP)

@@ -100,3 +100,16 @@ def make_lab() -> Iterator[Callable[..., Any]]:
 def lab(make_lab: Callable[..., Any]) -> Any:
     """A 2-node lab (nvidia + amd, one rank each), 2 NICs per node at 200 Mbit/s."""
     return make_lab()
+
+
+# The files whose tests take longest, run first: `make test` runs the suite on two workers (pytest-xdist, each
+# file on one worker), and a long file started last leaves the other worker idle at the end.
+SLOW_FILES_FIRST = ("test_demo.py", "test_torchtitan.py", "test_train_parity.py", "test_torch_conformance.py",
+                    "test_train_faults.py", "test_gpu_check.py", "test_train_shapes.py", "test_cf_failover.py",
+                    "test_train_fsdp.py", "test_titan_output.py", "test_cpu_forward.py", "test_lab.py",
+                    "test_slurm_real.py", "test_first_contact.py", "test_nothing_lost.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(SLOW_FILES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order

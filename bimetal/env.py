@@ -279,8 +279,6 @@ VARIABLES: dict[str, Variable] = {
         "(start-up refuses ranks whose bimetal, torch minor or wire versions differ)."),
     "BIMETAL_LAB": Variable(
         "internal", Check("any non-empty name", _nonempty), "unset", "The lab's id, for the ranks it starts."),
-    "BIMETAL_LAB_NICS": Variable(
-        "internal", _IFACE_LIST, "unset", "The lab node's NICs, for its ranks."),
     "BIMETAL_LAB_RANK_ENV": Variable(
         "internal", Check("a JSON object", _json_object), "unset", "Per-rank settings the lab hands each rank "
         "(`{nic}` and `{nic_addr}` are that rank's NIC)."),

@@ -216,7 +216,6 @@ class LabCluster:
             "BIMETAL_VENDOR": n.vendor,
             "BIMETAL_HOST": node,
             "BIMETAL_LAB": self.spec.lab_id,
-            "BIMETAL_LAB_NICS": ",".join(self.nics(node)),
             "GLOO_SOCKET_IFNAME": net.nic_name(0),
             "TP_SOCKET_IFNAME": net.nic_name(0),
             "OMP_NUM_THREADS": "1",

@@ -132,3 +132,35 @@ def test_location_names_are_the_engines(monkeypatch: pytest.MonkeyPatch) -> None
     assert location_name(t.device, t.data_ptr()) == "cpu:0"
     monkeypatch.setattr(locations, "numa_nodes", lambda: (0, 1))
     assert location_name(t.device, t.data_ptr()) == "*"
+
+
+def test_engine_only_ceiling_writes_from_registered_send_buffers_registered_once() -> None:
+    """``bench comm``'s ``dd-engine`` variant on RDMA rules: its writes read registered memory (they used to read
+    the caller's unregistered tensor, which RDMA refuses), each send buffer registered once, not per message."""
+    from bimetal.bench.engine import EngineOnly
+
+    fabric, store = Fabric(), torch.distributed.HashStore()
+    engines = [RecordingEngine(fabric) for _ in (0, 1)]
+    sides: dict[int, EngineOnly] = {}
+
+    def make(rank: int) -> None:
+        sides[rank] = EngineOnly(store, rank, "127.0.0.1", 64 * KiB, chunk=16 * KiB, window=2, timeout=10,
+                                 engine=engines[rank])
+
+    threads = [threading.Thread(target=make, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    small, large = torch.arange(1024, dtype=torch.int32), torch.arange(16 * 1024, dtype=torch.int32)
+    for tag, message in enumerate([small, large, small, large, large]):
+        sides[0].send([message], 1, tag)
+        sides[1].recv([torch.empty_like(message)], 0, tag)
+        landed = sides[1].landing[:message.numel() * 4].view(torch.int32)
+        assert torch.equal(landed, message), tag
+    sender = engines[0]
+    assert sender.violations == [] and engines[1].violations == []
+    assert sorted(n for ptr, n, _ in sender.registrations if ptr != sides[0].landing.data_ptr()) == [4 * KiB, 64 * KiB]
+    for side in sides.values():
+        side.close()
+    assert not sender.regions and not engines[1].regions

@@ -37,9 +37,10 @@ class EngineOnly:
     """Raw one-sided writes plus one notification per message between group ranks 0 and 1."""
 
     def __init__(self, store: Any, rank: int, host: str, capacity: int, chunk: int = 4 << 20, window: int = 16,
-                 timeout: float = 60.0) -> None:
+                 timeout: float = 60.0, engine: Engine | None = None) -> None:
         self.rank, self.peer, self.chunk, self.window, self.timeout = rank, 1 - rank, chunk, window, timeout
-        self.engine: Engine = open_engine(host, choose_protocol())
+        self.engine: Engine = engine if engine is not None else open_engine(host, choose_protocol())
+        self._sources: dict[int, int] = {}  # send buffers registered (RDMA): address -> bytes, once per buffer
         self.landing = torch.empty(max(capacity, 1), dtype=torch.uint8)
         self.engine.register(self.landing.data_ptr(), self.landing.numel(),
                              location_name(self.landing.device, self.landing.data_ptr(), self.engine.gpu_prefix))
@@ -50,8 +51,23 @@ class EngineOnly:
         self.remote = int(record["landing"])
         self._notes: list[str] = []
 
+    def _register_source(self, flat: torch.Tensor) -> None:
+        """Over RDMA a write reads only registered memory: each send buffer is registered at its first send, as the
+        transport's send pool is once (a ceiling without per-message registration). A buffer at an address where
+        an earlier, freed one was registered replaces that registration."""
+        ptr, n = flat.data_ptr(), flat.numel()
+        if not self.engine.needs_source_registration or self._sources.get(ptr) == n:
+            return
+        for start, size in list(self._sources.items()):
+            if start < ptr + n and ptr < start + size:
+                self.engine.unregister(start)
+                del self._sources[start]
+        self.engine.register(ptr, n, location_name(flat.device, ptr, self.engine.gpu_prefix))
+        self._sources[ptr] = n
+
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> _Done:
         flat = tensors[0].reshape(-1).view(torch.uint8)
+        self._register_source(flat)
         n, off = flat.numel(), 0
         pending: list[int] = []
         while off < n or pending:
@@ -82,4 +98,7 @@ class EngineOnly:
         return _Done()
 
     def close(self) -> None:
+        for ptr in [*self._sources, self.landing.data_ptr()]:
+            self.engine.unregister(ptr)
+        self._sources.clear()
         self.engine.close()

@@ -198,7 +198,8 @@ VARIABLES: dict[str, Variable] = {
     "BIMETAL_LAUNCH_FORK": Variable(
         "vendors", _FLAG, "`1`", "bimetal's launcher starts the ranks of a job simulated on the CPU as forks of "
         "itself, with torch already imported (about 3 s of CPU less per rank); `0` starts each as a new "
-        "interpreter. Jobs on GPUs always start new interpreters."),
+        "interpreter (for a rank program that needs one, e.g. one that starts `multiprocessing` children with "
+        "`spawn`). Jobs on GPUs always start new interpreters."),
     "BIMETAL_THREADS": Variable(
         "vendors", _integer(1), "`1`", "torch CPU threads per trainer rank."),
     "BIMETAL_HOST": Variable(

@@ -97,3 +97,26 @@ def spawn(fn: Callable[..., Any], args: tuple[Any, ...] = (), nprocs: int = 2, p
     ctx = mp.start_processes(_spawned, args=(fn, args), nprocs=nprocs, start_method="spawn", join=False)
     while not ctx.join(timeout=poll_s):
         pass
+
+
+def run_threads(rank: Callable[[int], Any], size: int = 2, join_s: float = 40) -> None:
+    """``rank(r)`` for every r on ``size`` threads of this process (in-process groups on a shared store); the
+    first rank's error is raised here, and a rank still running after ``join_s`` fails the test as hung."""
+    import threading
+
+    errors: list[BaseException] = []
+
+    def run(r: int) -> None:
+        try:
+            rank(r)
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(join_s)
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    if errors:
+        raise errors[0]

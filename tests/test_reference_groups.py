@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from launcher import run_threads
 
 from bimetal.comm.base import TransportError, UnsupportedOperation
 from bimetal.comm.reference import TOKEN_BYTES, HostCopyGroup, IdealBoundaryGroup
@@ -52,28 +53,17 @@ class RecordingStripe:
 
 def _pair(cls: type, body: Callable[[Any, RecordingStripe, int], None]) -> None:
     store = dist.HashStore()
-    errors: list[BaseException] = []
 
     def rank(r: int) -> None:
+        (gloo,) = build_stripes(dist.PrefixStore("ref", store), r, 2, TIMEOUT, [None])
+        wire = RecordingStripe(gloo)
+        pg = cls(wire, r, 2, TIMEOUT)
         try:
-            (gloo,) = build_stripes(dist.PrefixStore("ref", store), r, 2, TIMEOUT, [None])
-            wire = RecordingStripe(gloo)
-            pg = cls(wire, r, 2, TIMEOUT)
-            try:
-                body(pg, wire, r)
-            finally:
-                pg.shutdown()
-        except BaseException as exc:  # reported by the main thread
-            errors.append(exc)
+            body(pg, wire, r)
+        finally:
+            pg.shutdown()
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(40)
-    assert not any(t.is_alive() for t in threads), "a rank hung"
-    if errors:
-        raise errors[0]
+    run_threads(rank)
 
 
 SIZES = [(3, 1000), (5000,), (7, 11)]  # a 1F1B-like sequence of activation shapes

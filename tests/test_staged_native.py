@@ -9,7 +9,6 @@ parallelism and the hierarchical all-reduce on this path end to end (``tests/tes
 
 from __future__ import annotations
 
-import threading
 from datetime import timedelta
 from types import SimpleNamespace
 from typing import Any
@@ -17,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from launcher import run_threads
 
 from bimetal.comm.cpu_forward import StagedNativeGroup
 from bimetal.comm.registry import _create_sim_native
@@ -28,24 +28,13 @@ pytestmark = pytest.mark.timeout(60)
 
 def _create_pair(body: Any) -> None:
     store = dist.HashStore()
-    errors: list[BaseException] = []
 
     def rank(r: int) -> None:
-        try:
-            opts = SimpleNamespace(store=dist.PrefixStore("g", store), group_rank=r, group_size=2,
-                                   global_ranks_in_group=[0, 1], timeout=timedelta(seconds=20))
-            body(_create_sim_native(opts, None), r)
-        except BaseException as exc:  # reported by the main thread
-            errors.append(exc)
+        opts = SimpleNamespace(store=dist.PrefixStore("g", store), group_rank=r, group_size=2,
+                               global_ranks_in_group=[0, 1], timeout=timedelta(seconds=20))
+        body(_create_sim_native(opts, None), r)
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(40)
-    assert not any(t.is_alive() for t in threads), "a rank hung"
-    if errors:
-        raise errors[0]
+    run_threads(rank)
 
 
 def test_native_groups_take_the_staged_path_when_vendors_share_one_gpu(monkeypatch: pytest.MonkeyPatch) -> None:

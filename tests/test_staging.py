@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from launcher import clean_env, launch
+from launcher import clean_env, launch, run_threads
 from test_op_table import ROWS
 
 from bimetal.comm.cpu_forward.pg import CpuForwardProcessGroup
@@ -49,29 +49,18 @@ def _world(size: int, body: Callable[[CpuForwardProcessGroup, dist.ProcessGroup,
            opts: CpuForwardOptions) -> None:
     """Run ``body(cf_group, gloo_reference, rank)`` on ``size`` threads, each rank with forced staging."""
     store = dist.HashStore()
-    errors: list[BaseException] = []
 
     def rank(r: int) -> None:
+        stripes = build_stripes(dist.PrefixStore("cf", store), r, size, TIMEOUT, [None] * opts.stripes)
+        (ref,) = build_stripes(dist.PrefixStore("ref", store), r, size, TIMEOUT, [None])
+        pg = CpuForwardProcessGroup(stripes, r, size, TIMEOUT, opts)
+        pg.state.stage_all = True  # what BIMETAL_CF_FORCE_STAGING=1 sets at creation
         try:
-            stripes = build_stripes(dist.PrefixStore("cf", store), r, size, TIMEOUT, [None] * opts.stripes)
-            (ref,) = build_stripes(dist.PrefixStore("ref", store), r, size, TIMEOUT, [None])
-            pg = CpuForwardProcessGroup(stripes, r, size, TIMEOUT, opts)
-            pg.state.stage_all = True  # what BIMETAL_CF_FORCE_STAGING=1 sets at creation
-            try:
-                body(pg, ref, r)
-            finally:
-                pg.shutdown()
-        except BaseException as exc:  # reported by the main thread
-            errors.append(exc)
+            body(pg, ref, r)
+        finally:
+            pg.shutdown()
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(100)
-    assert not any(t.is_alive() for t in threads), "a rank hung"
-    if errors:
-        raise errors[0]
+    run_threads(rank, size, join_s=100)
 
 
 def test_16_rank_all_gather_runs_in_rounds_in_two_slabs_and_allocations_stay_flat() -> None:

@@ -34,6 +34,7 @@ from torch.distributed.distributed_c10d import (
 )
 
 from bimetal import transports
+from bimetal.comm.named import NamedGroup
 from bimetal.comm.work import (
     SUPPORTED_DTYPES,
     BimetalWork,
@@ -61,7 +62,7 @@ def _flat(lists: list[list[torch.Tensor]]) -> list[torch.Tensor]:
     return [t for lst in lists for t in lst]
 
 
-class BimetalProcessGroup(dist.ProcessGroup):
+class BimetalProcessGroup(NamedGroup):
     """Base of the bimetal transports: every torch op as a template method over the subclass's ``_do_<op>``."""
 
     backend_name = "bimetal"
@@ -71,50 +72,13 @@ class BimetalProcessGroup(dist.ProcessGroup):
         _TRANSPORTS.append(cls)
 
     def __init__(self, rank: int, size: int, timeout: timedelta, global_ranks: list[int] | None = None):
-        # (torch's stubs list only the overload that takes a store; the (rank, size) one exists)
-        super().__init__(rank, size)  # type: ignore[call-arg]
-        self._rank, self._size = rank, size
+        super().__init__(rank, size)
         self.timeout = timeout
         self.global_ranks = list(global_ranks) if global_ranks else list(range(size))
         self.counters = CommCounters()
-        self._name = ""
-        self._desc = ""
         self._closed = False
         self.store: dist.Store | None = None
         """The group's store, for the desync report after a timeout (set by the creator)."""
-
-    # --- names: DeviceMesh, DTensor and functional collectives need them ---------------------------
-    def setGroupName(self, name: str) -> None:  # noqa: N802 (torch's method name)
-        self._name = name
-
-    def getGroupName(self) -> str:  # noqa: N802
-        return self._name
-
-    def setGroupDesc(self, desc: str) -> None:  # noqa: N802
-        self._desc = desc
-
-    def getGroupDesc(self) -> str:  # noqa: N802
-        return self._desc
-
-    @property
-    def group_name(self) -> str:  # type: ignore[override]
-        return self._name
-
-    @property
-    def group_desc(self) -> str:  # type: ignore[override]
-        return self._desc
-
-    def getBackendName(self) -> str:  # noqa: N802
-        return self.backend_name
-
-    def name(self) -> str:  # type: ignore[override]
-        return self.backend_name
-
-    def size(self) -> int:  # type: ignore[override]
-        return self._size
-
-    def rank(self) -> int:  # type: ignore[override]
-        return self._rank
 
     # --- the operations: one path each, the transport supplies ``_do_<op>(op, ...)`` ------------------------
     def _run(self, name: str, do: str, tensors: Sequence[torch.Tensor], *args: Any, peer: int | None = None

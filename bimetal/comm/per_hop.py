@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from bimetal.comm.named import NamedGroup
 from bimetal.transports import PER_HOP
 
 
@@ -82,55 +83,20 @@ _COLLECTIVES = (
 """Every collective torch hands a Python ProcessGroup (``bimetal.comm.base`` lists the same), all delegated."""
 
 
-class PerHopGroup(dist.ProcessGroup):
+class PerHopGroup(NamedGroup):
     """The pipeline's one group: point-to-point by peer over the pair's group, collectives over ``collectives``."""
 
     backend_name = PER_HOP
 
     def __init__(self, rank: int, size: int, global_ranks: list[int], options: PerHopOptions,
                  timeout: timedelta) -> None:
-        super().__init__(rank, size)  # type: ignore[call-arg]
-        self._rank, self._size = rank, size
+        super().__init__(rank, size)
         self.global_ranks = list(global_ranks)
         self.routes = dict(options.routes)
         self.collectives = options.collectives
         self.collectives_name = options.collectives_name
         self.parts = list(options.parts)
         self.timeout = timeout
-        self._name = self._desc = ""
-
-    # --- names: DeviceMesh and DTensor need them (as for every Python ProcessGroup) ---------------------------
-    def setGroupName(self, name: str) -> None:  # noqa: N802 (torch's method name)
-        self._name = name
-
-    def getGroupName(self) -> str:  # noqa: N802
-        return self._name
-
-    def setGroupDesc(self, desc: str) -> None:  # noqa: N802
-        self._desc = desc
-
-    def getGroupDesc(self) -> str:  # noqa: N802
-        return self._desc
-
-    @property
-    def group_name(self) -> str:  # type: ignore[override]
-        return self._name
-
-    @property
-    def group_desc(self) -> str:  # type: ignore[override]
-        return self._desc
-
-    def getBackendName(self) -> str:  # noqa: N802
-        return self.backend_name
-
-    def name(self) -> str:  # type: ignore[override]
-        return self.backend_name
-
-    def size(self) -> int:  # type: ignore[override]
-        return self._size
-
-    def rank(self) -> int:  # type: ignore[override]
-        return self._rank
 
     # --- point-to-point: by peer ----------------------------------------------------------------------------
     def route(self, group_peer: int) -> Route:

@@ -249,6 +249,10 @@ VARIABLES: dict[str, Variable] = {
     "BIMETAL_DD_DEVICE": Variable(
         "dd", Check("a torch device (`cpu`, `cuda:0`)", _device), "this rank's GPU, else the CPU", "Where the "
         "receive slots live."),
+    "BIMETAL_DD_GID_INDEX": Variable(
+        "dd", _integer(0, 255), "the engine picks one", "The RoCE GID index the engine uses, passed on as "
+        "`MC_GID_INDEX` (a value the user set there wins). Between nodes it must be a RoCE v2 GID with an IP address "
+        "(often 3); the start-up probe names one when a write fails."),
     "BIMETAL_DD_FALLBACK": Variable(
         "dd", _choice("error", "cpu-forward"), "`error`", "When the engine cannot start or the start-up probe "
         "fails: stop with one sentence naming the missing piece, or warn and use cpu-forward."),

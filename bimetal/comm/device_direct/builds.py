@@ -7,10 +7,17 @@ package, so two installed together overwrite each other's files and the engine t
 installed last. A GPU build that is not torch's cannot read torch's device pointers: the CUDA build on ROCm torch
 (or the non-CUDA build on any GPU torch) would treat GPU memory as host memory. Both are refused here with one
 sentence naming the installed wheel, torch's build and the wheel to install, before the engine starts.
+
+Each GPU build links one major of its vendor's runtime (``readelf -d mooncake/engine.so`` of the 0.3.13.post1
+wheels: ``libcudart.so.12``, ``libcudart.so.13``, ``libamdhip64.so.7``). ROCm torch carries its own HIP runtime
+(``torch.version.hip``), and one process cannot hold two majors of it, so the ROCm build needs a torch built for
+ROCm 7 (``runtime_problem``). A wheel that is installed but cannot load names the missing library and what
+provides it (``load_problem``), never "install" the wheel that is already there.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from importlib import metadata
 
@@ -27,12 +34,16 @@ class Build:
     wheel: str
     extra: str
     label: str
+    runtime: str = ""
+    """The GPU runtime library its ``engine.so`` links (``readelf -d``), empty for the CPU build."""
+    runtime_label: str = ""
+    """That runtime's vendor and major, as a user installs it."""
 
 
 BUILDS = {
-    "cuda12": Build("mooncake-transfer-engine", "cuda", "CUDA 12"),
-    "cuda13": Build("mooncake-transfer-engine-cuda13", "cuda13", "CUDA 13"),
-    "rocm": Build("mooncake-transfer-engine-rocm", "rocm", "ROCm"),
+    "cuda12": Build("mooncake-transfer-engine", "cuda", "CUDA 12", "libcudart.so.12", "CUDA 12"),
+    "cuda13": Build("mooncake-transfer-engine-cuda13", "cuda13", "CUDA 13", "libcudart.so.13", "CUDA 13"),
+    "rocm": Build("mooncake-transfer-engine-rocm", "rocm", "ROCm", "libamdhip64.so.7", "ROCm 7"),
     "cpu": Build("mooncake-transfer-engine-non-cuda", "cpu-engine", "CPU-only"),
 }
 """Build name -> its wheel; the build names are also what ``torch_build`` returns."""
@@ -94,6 +105,53 @@ def build_problem(engines: list[tuple[str, str]], torch_kind: str, gpu_visible: 
             f"run `pip uninstall -y {name}`, then {fix}")
 
 
+def runtime_problem(engines: list[tuple[str, str]], torch_hip: str | None, torch_version: str = torch.__version__
+                    ) -> str | None:
+    """One sentence when the installed ROCm build needs another ROCm major than torch's HIP runtime, else None.
+
+    ``torch_hip``: ``torch.version.hip`` (``"6.4.43482-0f2d60242"``); the engine's runtime is loaded into torch's
+    process, so the two must be one major."""
+    if len(engines) != 1 or _BY_WHEEL.get(engines[0][0]) != "rocm" or not torch_hip:
+        return None
+    build, (name, version) = BUILDS["rocm"], engines[0]
+    need = int(build.runtime_label.split()[-1])
+    have = re.match(r"(\d+)\.(\d+)", torch_hip)
+    if have is None or int(have.group(1)) == need:
+        return None
+    return (f"the Mooncake ROCm build ({name} {version}) links the {build.runtime_label} runtime ({build.runtime}) but "
+            f"torch {torch_version} is built for ROCm {have.group(1)}.{have.group(2)}, and one process cannot load "
+            f"both; install a torch built for {build.runtime_label} (`pip install torch --index-url "
+            f"https://download.pytorch.org/whl/rocm{need}.X`, see pytorch.org)")
+
+
+LIBRARIES = {
+    "libibverbs.so": "`apt-get install libibverbs1` (the RDMA verbs library; the engine links it even for TCP)",
+    "libmlx5.so": "`apt-get install ibverbs-providers`",
+    "libnuma.so": "`apt-get install libnuma1`",
+    "libcurl.so": "`apt-get install libcurl4`",
+    "libamdhip64.so": "the ROCm runtime of that major (a torch built for it carries it)",
+    "libhsa-runtime64.so": "the ROCm runtime (hsa-rocr)",
+    "libcudart.so": "the CUDA runtime of that major (a torch built for it carries it)",
+    "libcuda.so": "the NVIDIA driver",
+}
+"""Libraries the engine wheels link that a node may lack (``readelf -d``), and what provides each."""
+
+
+def load_problem(error: str, engines: list[tuple[str, str]]) -> str:
+    """One sentence for an engine that is installed (``engines``) but failed to load with ``error``."""
+    which = ", ".join(f"{n} {v}" for n, v in engines) or "the mooncake package"
+    missing = re.search(r"(lib[\w.+-]+\.so(?:\.\d+)*)", error)
+    if missing is None:
+        return (f"Mooncake Transfer Engine ({which}) is installed but could not load ({error}); reinstall it with "
+                f"`pip install --force-reinstall --no-deps {engines[0][0] if engines else 'WHEEL'}=={ENGINE_RELEASE}`")
+    lib = missing.group(1)
+    fix = next((how for stem, how in LIBRARIES.items() if lib.startswith(stem)), "the package that provides it")
+    needed_by = next((b for b in BUILDS.values() if b.runtime and b.runtime == lib), None)
+    runtime = f" (its {needed_by.runtime_label} runtime)" if needed_by else ""
+    return (f"Mooncake Transfer Engine ({which}) is installed but could not load because {lib}{runtime} is not on "
+            f"this node's library path; install {fix}")
+
+
 def wanted(torch_kind: str, gpu_visible: bool) -> Build:
     """The build for a torch of ``torch_kind`` (the CPU build where no GPU is visible)."""
     return BUILDS.get(torch_kind, BUILDS["cpu"]) if gpu_visible else BUILDS["cpu"]
@@ -106,6 +164,8 @@ def install_hint() -> str:
 
 
 def check_installed() -> str | None:
-    """``build_problem`` for this process: the installed wheels against this torch and its GPUs."""
-    return build_problem(installed_engines(), torch_build(torch.version.cuda, torch.version.hip),
-                         torch.cuda.is_available())
+    """``build_problem``, then ``runtime_problem``, for this process: the installed wheels against this torch and
+    its GPUs."""
+    engines = installed_engines()
+    return build_problem(engines, torch_build(torch.version.cuda, torch.version.hip),
+                         torch.cuda.is_available()) or runtime_problem(engines, torch.version.hip)

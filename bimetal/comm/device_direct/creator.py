@@ -5,10 +5,14 @@ take the same decision, by the fallback policy (``fallback`` option or ``BIMETAL
 raises one sentence naming the rank, the missing piece and the fix; ``cpu-forward`` warns and builds a
 cpu-forward group instead. The path never changes silently.
 
+Before the engine starts, the ranks exchange their hosts, so each knows whether its group has peers on other
+nodes (which decides the engine's environment, ``engine_env.py``: the ROCm build's HIP transport off).
+
 The start-up probe (``probe.py``: one engine write between every pair, with a deadline) follows the same policy:
 the ranks agree on its outcome, so a pair whose fabrics do not meet is, on every rank, either the one sentence
 naming both ranks, their hosts and fabrics (``error``) or a cpu-forward group that carries that sentence as its
-``fallback_reason`` (``cpu-forward``), as an engine that cannot start is.
+``fallback_reason`` (``cpu-forward``), as an engine that cannot start is. So does memory the engine refuses to
+register while the group is set up (``GroupStartError``, agreed by every rank through its published record).
 """
 
 from __future__ import annotations
@@ -22,10 +26,15 @@ from typing import Any
 
 import torch.distributed as dist
 
-from bimetal.comm.device_direct.engine import Engine, EngineUnavailableError, choose_protocol, open_engine
+from bimetal.comm.device_direct.engine import (
+    Engine,
+    EngineUnavailableError,
+    GroupStartError,
+    choose_protocol,
+    open_engine,
+)
 from bimetal.comm.device_direct.options import DeviceDirectSettings, options_from
 from bimetal.comm.device_direct.pg import DeviceDirectProcessGroup
-from bimetal.comm.device_direct.probe import ProbeFailedError
 from bimetal.topology import local_device, store_exchange, versions
 from bimetal.topology.exchange import host_identity
 from bimetal.topology.interfaces import NicInfo, by_name, candidate_nics
@@ -43,11 +52,13 @@ def create_process_group(dist_backend_opts: Any, pg_options: Any) -> dist.Proces
     timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
     store.set_timeout(timeout)
     opts = _choose_host(store, rank, size, global_ranks, opts, timeout)
+    hosts: list[str] = store_exchange.exchange(store, "bimetal_dd_hosts", rank, host_identity(), range(size))
     engine: Engine | None = None
     reason = ""
     try:
         protocol = choose_protocol(None if opts.protocol == "auto" else opts.protocol, opts.devices)
-        engine = open_engine(opts.host, protocol, opts.engine, opts.devices)
+        engine = open_engine(opts.host, protocol, opts.engine, opts.devices, opts.gid_index,
+                             remote_peers=any(h != hosts[rank] for h in hosts))
     except EngineUnavailableError as exc:
         reason = str(exc)
     # agreement round: every rank says whether its engine started before anyone builds the group
@@ -60,10 +71,10 @@ def create_process_group(dist_backend_opts: Any, pg_options: Any) -> dist.Proces
         try:
             return DeviceDirectProcessGroup(store, rank, size, timeout, global_ranks, engine, opts,
                                             opts.torch_device())
-        except ProbeFailedError as exc:  # every rank has the same sentence (the group closed its engine)
+        except GroupStartError as exc:  # every rank has the same sentence (the group closed its engine)
             if opts.fallback == "error":
-                raise ProbeFailedError(f"{exc} (or set BIMETAL_DD_FALLBACK=cpu-forward to use cpu-forward "
-                                       "instead)") from None
+                raise type(exc)(f"{exc} (or set BIMETAL_DD_FALLBACK=cpu-forward to use cpu-forward "
+                                "instead)") from None
             return _fall_back(dist_backend_opts, pg_options, str(exc))
     if engine is not None:
         engine.close()

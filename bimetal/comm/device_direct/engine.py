@@ -5,8 +5,9 @@ carries short text notifications. The proxy and the process group only use this 
 engine (e.g. NIXL) is one more adapter module plus one entry in ``ENGINES``; nothing else changes.
 
 Also here: the choice of wire protocol from the topology (RDMA where verbs devices exist, TCP otherwise),
-overridable with ``BIMETAL_DD_PROTOCOL`` or the ``protocol`` option, and the check of the RDMA devices the user
-named (``BIMETAL_DD_DEVICES`` or the ``devices`` option), which the engine is then restricted to.
+overridable with ``BIMETAL_DD_PROTOCOL`` or the ``protocol`` option, the check of the RDMA devices the user
+named (``BIMETAL_DD_DEVICES`` or the ``devices`` option), which the engine is then restricted to, and the start
+of an engine in the environment that makes it use that protocol (``engine_env.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from bimetal.comm.device_direct import engine_env
 from bimetal.env import read as read_env
 from bimetal.errors import UserError
 
@@ -33,6 +35,15 @@ ENGINES = {"mooncake": "bimetal.comm.device_direct.mooncake"}
 
 class EngineUnavailableError(UserError, RuntimeError):
     """The engine cannot start here; the message names the missing piece and the fix in one sentence."""
+
+
+class GroupStartError(EngineUnavailableError):
+    """A device-direct group could not start; every rank of the group raises it with the same sentence (agreed
+    over the store), so the creator applies the fallback policy to it on every rank alike."""
+
+
+class RegistrationError(EngineUnavailableError):
+    """The engine refused to register memory (over RDMA: no peer-memory driver or dma-buf for GPU memory)."""
 
 
 class PeerFailedError(RuntimeError):
@@ -142,13 +153,27 @@ def choose_protocol(requested: str | None = None, devices: tuple[str, ...] = ())
     return choice
 
 
-def open_engine(host: str, protocol: str, name: str | None = None, devices: tuple[str, ...] = ()) -> Engine:
+def open_engine(host: str, protocol: str, name: str | None = None, devices: tuple[str, ...] = (),
+                gid_index: int | None = None, remote_peers: bool = False) -> Engine:
     """Start the named engine (option, else ``BIMETAL_DD_ENGINE``, else mooncake) on ``host``; over RDMA it opens
-    only ``devices`` when some are named (else every device it finds)."""
+    only ``devices`` when some are named (else every device it finds).
+
+    First the engine's environment is set for ``protocol`` (``engine_env.plan``: ``MC_FORCE_TCP`` for tcp, the
+    RoCE GID index ``gid_index``, the ROCm build's HIP transport off where the rank has ``remote_peers``), so
+    the engine really runs the protocol bimetal chose; a user's own ``MC_*`` value wins and is logged. An
+    adapter module may say what its library reads (``library_facts()``) and which wheel it is
+    (``wheel_label()``)."""
     engine_name = (name or read_env(ENGINE_ENV) or "mooncake").strip().lower()
     if engine_name not in ENGINES:
         raise EngineUnavailableError(
             f"unknown device-direct engine {engine_name!r}; set {ENGINE_ENV} to one of {', '.join(ENGINES)}"
         )
     module = importlib.import_module(ENGINES[engine_name])
+    facts = module.library_facts() if hasattr(module, "library_facts") else None
+    label = module.wheel_label() if hasattr(module, "wheel_label") else f"the {engine_name} engine"
+    chosen = engine_env.plan(protocol, facts, remote_peers, gid_index, wheel=label, ipv6=":" in host)
+    if chosen.refusal:
+        raise EngineUnavailableError(chosen.refusal)
+    engine_env.apply(chosen)
+    protocol = chosen.protocol
     return module.open_engine(host, protocol, devices if protocol != "tcp" else ())

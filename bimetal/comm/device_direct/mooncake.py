@@ -9,16 +9,34 @@ a write to a dead peer fails at once with -1; ``transfer_check_status`` returns 
 Before it starts, the installed wheel is checked against torch's build (``builds.py``). Over RDMA the engine opens
 only the devices named (``initialize``'s fourth argument, a comma-separated filter its topology discovery applies;
 Mooncake's own ``MC_TE_FILTERS`` whitelist still applies on top). GPU memory is named ``hip:N`` when the library
-was built for ROCm (its ``SUPPORT_HIP`` flag), else ``cuda:N``.
+was built for ROCm (its ``SUPPORT_HIP`` flag), else ``cuda:N``. The engine's environment (``MC_FORCE_TCP`` and the
+rest) is set before it starts (``engine_env.py``); ``library_facts`` tells what the installed library reads.
+
+Return codes of the binding (``transfer_engine_py.cpp``): ``register_memory``/``unregister_memory`` 0 or an error;
+``transfer_submit_write`` a batch id, 0 on failure; ``transfer_check_status`` 1 done, 0 pending, -1 failed (the
+batch freed), -2 timed out (the batch left allocated: freed here through ``get_batch_transfer_status``, which
+counts a timed-out batch as failed and frees it). A peer named by an IPv6 address is ``[addr]:port``.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
-from bimetal.comm.device_direct.builds import check_installed, install_hint
-from bimetal.comm.device_direct.engine import Engine, EngineUnavailableError, PeerFailedError, WriteStatus
+from bimetal.comm.device_direct import engine_env
+from bimetal.comm.device_direct.builds import check_installed, install_hint, installed_engines, load_problem
+from bimetal.comm.device_direct.engine import (
+    Engine,
+    EngineUnavailableError,
+    PeerFailedError,
+    RegistrationError,
+    WriteStatus,
+)
+
+log = logging.getLogger(__name__)
+TIMED_OUT = -2
+"""``transfer_check_status``'s code for a batch whose slices timed out (``MC_TRANSFER_TIMEOUT``)."""
 
 
 def _import_mooncake():
@@ -30,16 +48,29 @@ def _import_mooncake():
     try:
         from mooncake import engine as mooncake_engine
     except ImportError as exc:
-        missing = str(exc)
-        if "libibverbs" in missing:
-            raise EngineUnavailableError(
-                f"Mooncake Transfer Engine needs libibverbs ({missing}); install it with `apt-get install libibverbs1`"
-            ) from exc
-        what = "is not installed" if isinstance(exc, ModuleNotFoundError) else "could not load"
+        engines = installed_engines()
+        if engines and not isinstance(exc, ModuleNotFoundError):  # installed, but a library it links is missing
+            raise EngineUnavailableError(load_problem(str(exc), engines)) from exc
         raise EngineUnavailableError(
-            f"Mooncake Transfer Engine {what} ({missing}); install the build for this torch with {install_hint()}"
+            f"Mooncake Transfer Engine is not installed ({exc}); install the build for this torch with {install_hint()}"
         ) from exc
     return mooncake_engine
+
+
+def library_facts() -> engine_env.LibraryFacts | None:
+    """What the installed engine library reads (its own strings), for ``engine_env.plan``."""
+    return engine_env.library_facts()
+
+
+def wheel_label() -> str:
+    """The installed engine wheel, in words (``mooncake-transfer-engine-rocm 0.3.13.post1``)."""
+    engines = installed_engines()
+    return " and ".join(f"{n} {v}" for n, v in engines) if engines else "the installed Mooncake build"
+
+
+def session_name(host: str, port: int) -> str:
+    """How Mooncake names a peer: ``host:port``, ``[addr]:port`` for an IPv6 address (its ``maybeWrapIpV6``)."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
 class MooncakeEngine(Engine):
@@ -59,7 +90,7 @@ class MooncakeEngine(Engine):
                 f"Mooncake Transfer Engine failed to start with protocol {protocol}{named} on host {host} (rc={rc}); "
                 "check that the host address is local and, for rdma, that a verbs device is up"
             )
-        self.session = f"{host}:{self._engine.get_rpc_port()}"
+        self.session = session_name(host, self._engine.get_rpc_port())
         self._peers: dict[int, str] = {}
         self._registered: dict[int, int] = {}  # ptr -> references (a tensor may be in two messages at once)
 
@@ -83,7 +114,7 @@ class MooncakeEngine(Engine):
             return
         rc = self._engine.register_memory(ptr, nbytes, location)
         if rc != 0:
-            raise RuntimeError(f"Mooncake could not register {nbytes} bytes at {ptr:#x} on {location} (rc={rc})")
+            raise RegistrationError(registration_failed(self.protocol, nbytes, location, rc))
         self._registered[ptr] = 1
 
     def unregister(self, ptr: int) -> None:
@@ -92,7 +123,10 @@ class MooncakeEngine(Engine):
         self._registered[ptr] -= 1
         if self._registered[ptr] == 0:
             del self._registered[ptr]
-            self._engine.unregister_memory(ptr)
+            rc = self._engine.unregister_memory(ptr)
+            if rc != 0:
+                # the engine still holds it: a later registration at a reused address would meet a stale one
+                raise RuntimeError(f"Mooncake could not unregister the memory at {ptr:#x} (rc={rc})")
 
     def _session(self, peer: int) -> str:
         return self._peers[peer]
@@ -107,6 +141,8 @@ class MooncakeEngine(Engine):
         status = self._engine.transfer_check_status(handle)
         if status == 0:
             return WriteStatus.PENDING
+        if status == TIMED_OUT:
+            self._engine.get_batch_transfer_status([handle])  # frees the batch (the check left it allocated)
         return WriteStatus.DONE if status == 1 else WriteStatus.FAILED
 
     def write(self, peer: int, local_ptr: int, remote_ptr: int, nbytes: int) -> None:
@@ -129,10 +165,23 @@ class MooncakeEngine(Engine):
 
     def close(self) -> None:
         for ptr in list(self._registered):
-            self._engine.unregister_memory(ptr)
+            rc = self._engine.unregister_memory(ptr)
+            if rc != 0:  # closing anyway: the engine's own teardown releases it, but say so
+                log.warning("device-direct: Mooncake could not unregister the memory at %#x at close (rc=%s)", ptr, rc)
         self._registered.clear()
         # the pybind object frees the engine (and its listening socket) when the last reference goes
         self._engine = None
+
+
+def registration_failed(protocol: str, nbytes: int, location: str, rc: int) -> str:
+    """The sentence for a refused registration: over RDMA, GPU memory needs the peer-memory driver or dma-buf."""
+    if protocol != "tcp" and not location.startswith("cpu"):
+        why = ("RDMA to GPU memory needs the peer-memory kernel module (nvidia-peermem on NVIDIA, amdgpu's "
+               "peer-memory support on AMD) or dma-buf support in the driver and NIC")
+    else:
+        why = "the engine refused it"
+    return (f"Mooncake could not register {nbytes} bytes of {location} memory for {protocol} (rc={rc}): {why}; "
+            "load that support, or set BIMETAL_DD_PROTOCOL=tcp")
 
 
 def open_engine(host: str, protocol: str, devices: tuple[str, ...] = ()) -> Engine:

@@ -97,7 +97,8 @@ def check_record(peer: int, record: Any) -> dict[str, Any]:
             raise TransportError(f"malformed receive-pool addresses from group rank {peer}: {pools!r}")
         fabric = record.get("fabric")
         if not isinstance(record.get("host"), str) or not isinstance(fabric, dict) or not isinstance(
-                fabric.get("protocol"), str) or not _fabric_devices(fabric.get("devices")):
+                fabric.get("protocol"), str) or not _fabric_devices(fabric.get("devices")) or not isinstance(
+                fabric.get("gid", ""), str):
             raise TransportError(f"malformed device-direct host or fabric from group rank {peer}: "
                                  f"{record.get('host')!r}, {fabric!r}")
     elif not isinstance(record.get("reason"), str):

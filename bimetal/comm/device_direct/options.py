@@ -73,6 +73,8 @@ class DeviceDirectSettings:
     """The RDMA devices the engine may open (empty: every one it finds)."""
     reg_cache_bytes: int = 4 << 30
     """Bytes of user memory (rendezvous receive tensors) kept registered, least recently used out first."""
+    gid_index: int | None = None
+    """The RoCE GID index the engine uses (``MC_GID_INDEX``); None: the engine's own choice."""
     host_named: bool = True
     """Whether ``host`` was given (option or ``BIMETAL_DD_HOST``); False: the group's creator chooses it."""
     allowed_interfaces: tuple[str, ...] = ()
@@ -116,6 +118,9 @@ class DeviceDirectOptions:
     reg_cache_bytes: int | None = None
     """``BIMETAL_DD_REG_CACHE_BYTES``: bytes of user tensors (rendezvous receives) kept registered with the
     engine, least recently used out first (default 4 GiB)."""
+    gid_index: int | None = None
+    """``BIMETAL_DD_GID_INDEX``: the RoCE GID index the engine uses, set as ``MC_GID_INDEX`` unless the user set
+    that (default: the engine picks one)."""
     allowed_interfaces: list[str] | None = None
     """The node's interfaces (names or patterns) the default host may come from (``parallel.interfaces``);
     None: ``BIMETAL_IFACES``, else the default candidates."""
@@ -156,6 +161,7 @@ class DeviceDirectOptions:
                                          "error or cpu-forward")
         defaults = DeviceDirectSettings(host="")
         host = str(get("host", "") or "")
+        gid = get("gid_index", None)
         allowed = tuple(self.allowed_interfaces or ())
         return DeviceDirectSettings(
             host=host, host_named=bool(host), allowed_interfaces=allowed,
@@ -166,7 +172,8 @@ class DeviceDirectOptions:
             window=_integer("window", get("window", defaults.window)),
             inline_bytes=_integer("inline_bytes", get("inline_bytes", defaults.inline_bytes), 0, MAX_INLINE),
             fallback=fallback, device=str(get("device", "") or ""), devices=_names(get("devices", "")),
-            reg_cache_bytes=_integer("reg_cache_bytes", get("reg_cache_bytes", defaults.reg_cache_bytes)))
+            reg_cache_bytes=_integer("reg_cache_bytes", get("reg_cache_bytes", defaults.reg_cache_bytes)),
+            gid_index=None if gid is None else _integer("gid_index", gid, 0, 255))
 
 
 def options_from(pg_options: Any = None) -> DeviceDirectSettings:

@@ -5,7 +5,9 @@ owns the engine. Endpoint metadata, receive-pool addresses, the control-channel 
 are exchanged over the group's store as JSON, validated field by field; then the proxies open their control
 connections and every rank writes once to every peer through the engine (``probe.py``): the ranks agree on the
 outcome over the store, and a failure anywhere raises ``ProbeFailedError`` on every rank (the creator applies the
-fallback policy to it).
+fallback policy to it). A registration the engine refuses while the group is set up (its receive slots, its send
+pool) is published in place of the rank's record, so every rank learns it at once and raises the same
+``GroupStartError`` (the fallback policy again), instead of the others waiting out the store's timeout.
 Pipeline parallelism needs send/recv/isend/irecv/batch_isend_irecv; the few collectives the trainer runs on a
 pp group (loss broadcast, grad-norm all-reduce, barrier) are built from the same point-to-point messages with
 reserved tags.
@@ -23,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from bimetal.comm.base import BimetalProcessGroup, OpRecord, TransportError, completed_work, make_work
-from bimetal.comm.device_direct.engine import Engine, verbs_devices
+from bimetal.comm.device_direct.engine import Engine, GroupStartError, RegistrationError, verbs_devices
 from bimetal.comm.device_direct.notes import check_record
 from bimetal.comm.device_direct.options import DeviceDirectSettings
 from bimetal.comm.device_direct.probe import PROBE_BYTES, PROBE_S, ProbeFailedError, Side, local_fabric, probe_peers
@@ -54,25 +56,40 @@ class DeviceDirectProcessGroup(BimetalProcessGroup):
                  engine: Engine, opts: DeviceDirectSettings, device: torch.device) -> None:
         super().__init__(rank, size, timeout, global_ranks)
         self.engine_name, self.protocol = engine.name, engine.protocol
-        self.proxy = Proxy(engine, rank, self.global_ranks, opts.chunk_bytes, opts.slots, opts.window,
-                           timeout.total_seconds(), device, opts.inline_bytes, opts.host, opts.reg_cache_bytes)
         peers = [p for p in range(size) if p != rank]
-        pools = {str(p): self.proxy.add_peer(p) for p in peers}
         me = Side(self.global_ranks[rank], host_identity(),
                   local_fabric(engine.protocol, opts.devices, verbs_devices() if engine.protocol != "tcp" else []))
-        _publish(store, rank, {"ok": True, "endpoint": engine.endpoint(), "pools": pools,
-                               "chunk_bytes": opts.chunk_bytes, "slots": opts.slots, "inline": opts.inline_bytes,
-                               "control": self.proxy.control.address, "host": me.host, "fabric": me.fabric})
+        proxy: Proxy | None = None
+        try:
+            proxy = Proxy(engine, rank, self.global_ranks, opts.chunk_bytes, opts.slots, opts.window,
+                          timeout.total_seconds(), device, opts.inline_bytes, opts.host, opts.reg_cache_bytes)
+            pools = {str(p): proxy.add_peer(p) for p in peers}
+            mine: dict[str, Any] = {
+                "ok": True, "endpoint": engine.endpoint(), "pools": pools, "chunk_bytes": opts.chunk_bytes,
+                "slots": opts.slots, "inline": opts.inline_bytes, "control": proxy.control.address, "host": me.host,
+                "fabric": me.fabric}
+        except RegistrationError as exc:
+            # told to the others at once (they would otherwise wait for this record until the store's timeout)
+            mine = {"ok": False, "reason": f"global rank {me.rank} on {me.host}: {exc}"}
+        _publish(store, rank, mine)
+        records = {p: _read(store, p) for p in peers}
+        records[rank] = mine
+        failed = next((r["reason"] for _, r in sorted(records.items()) if not r["ok"]), None)
+        if failed is not None or proxy is None:  # every rank saw every record: all take the first failure alike
+            if proxy is not None:
+                proxy.close()
+            else:
+                engine.close()
+            raise GroupStartError(f"the device-direct group could not start on {failed}")
+        self.proxy = proxy
         controls, sides = {}, {}
         for p in peers:
-            record = _read(store, p)
-            if not record["ok"]:
-                raise TransportError(f"group rank {p} could not start its engine: {record['reason']}")
+            record = records[p]
             theirs = (record["chunk_bytes"], record["slots"], record.get("inline"))
-            mine = (opts.chunk_bytes, opts.slots, opts.inline_bytes)
-            if theirs != mine:
+            mine_shape = (opts.chunk_bytes, opts.slots, opts.inline_bytes)
+            if theirs != mine_shape:
                 raise TransportError(f"group rank {p} uses device-direct chunk/slots/inline "
-                                     f"{'/'.join(map(str, theirs))} but this rank {'/'.join(map(str, mine))}; "
+                                     f"{'/'.join(map(str, theirs))} but this rank {'/'.join(map(str, mine_shape))}; "
                                      "set the same BIMETAL_DD_CHUNK_BYTES/_SLOTS/_INLINE_BYTES on every rank")
             if str(rank) not in record["pools"]:
                 raise TransportError(f"group rank {p} published no receive pool for group rank {rank}")

@@ -5,18 +5,22 @@ message, minutes into a job. Typical on a mixed cluster: one vendor's nodes on I
 (Ethernet), which no RDMA write crosses. So at group creation each rank
 
 * publishes its fabric (``local_fabric``: the protocol and, over RDMA, the devices the engine may use with the
-  link layer of their ports, from ``/sys/class/infiniband``) and its host;
+  link layer of their ports, from ``/sys/class/infiniband``, and whether the RoCE GID the engine will use routes
+  between nodes, ``gids.py``) and its host;
 * refuses at once a peer whose RDMA devices share no link layer with its own (``fabrics_meet``);
 * writes ``PROBE_BYTES`` (at most the slots' size) from its registered receive slots into the peer's (the slots it
   publishes for us, which nothing else writes before the group starts) and waits for every write, until
   ``PROBE_S`` at most.
 
-The first failure becomes one sentence naming both ranks, their hosts and their fabrics (``probe_peers``); the
-group then agrees over the store and follows its fallback policy (``creator.py``).
+The first failure becomes one sentence naming both ranks, their hosts and their fabrics (``probe_peers``); when a
+write to a peer on another node fails and either side's GID does not route, the sentence says that instead of the
+general advice, naming the variable to set (``BIMETAL_DD_GID_INDEX``). The group then agrees over the store and
+follows its fallback policy (``creator.py``).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -24,15 +28,17 @@ from pathlib import Path
 from typing import Any
 
 from bimetal.comm.device_direct import engine as engines
-from bimetal.comm.device_direct.engine import Engine, EngineUnavailableError, PeerFailedError, WriteStatus
+from bimetal.comm.device_direct import engine_env, gids
+from bimetal.comm.device_direct.engine import Engine, GroupStartError, PeerFailedError, WriteStatus
 
 PROBE_S = 10.0
 """How long the probe writes may take (bounded by the group's timeout)."""
 PROBE_BYTES = 64
 _LINK_NAMES = {"InfiniBand": "InfiniBand", "Ethernet": "RoCE"}
+log = logging.getLogger(__name__)
 
 
-class ProbeFailedError(EngineUnavailableError):
+class ProbeFailedError(GroupStartError):
     """A rank of the group could not write to a peer at start-up; the message is the sentence to show."""
 
 
@@ -56,14 +62,17 @@ def link_layers(device: str, root: Path | None = None) -> list[str]:
 
 def local_fabric(protocol: str, devices: tuple[str, ...], present: list[str], root: Path | None = None
                  ) -> dict[str, Any]:
-    """What this rank's engine runs over: ``{"protocol", "devices": {name: [link layers]}}``; over RDMA the
-    devices are the ones named (``devices``), else those of Mooncake's own whitelist ``MC_TE_FILTERS``, else
-    every one ``present``."""
+    """What this rank's engine runs over: ``{"protocol", "devices": {name: [link layers]}, "gid": why}``; over RDMA
+    the devices are the ones named (``devices``), else those of Mooncake's own whitelist ``MC_TE_FILTERS``, else
+    every one ``present``; ``gid``: why the RoCE GID the engine will use does not route between nodes (empty when
+    it does, ``gids.problem``)."""
     if protocol == "tcp":
-        return {"protocol": "tcp", "devices": {}}
+        return {"protocol": "tcp", "devices": {}, "gid": ""}
     whitelist = [d.strip() for d in os.environ.get("MC_TE_FILTERS", "").split(",") if d.strip()]
     used = devices or tuple(d for d in present if not whitelist or d in whitelist)
-    return {"protocol": protocol, "devices": {d: link_layers(d, root) for d in used}}
+    index, source, fix = engine_env.gid_in_effect()
+    gid = gids.problem(root or engines.VERBS_SYSFS, used, index, source, fix)
+    return {"protocol": protocol, "devices": {d: link_layers(d, root) for d in used}, "gid": gid or ""}
 
 
 def describe(fabric: dict[str, Any]) -> str:
@@ -109,12 +118,22 @@ def probe_peers(engine: Engine, me: Side, peers: dict[int, tuple[Side, int]], so
         if not fabrics_meet(me.fabric, side.fabric):
             return (f"the device-direct start-up probe found that {me} and {side} share no fabric "
                     f"(InfiniBand and RoCE do not reach each other); {_FIX}")
+
+    def fix(peer: int) -> str:
+        """The advice for a failed write to ``peer``: its or our unroutable GID when it is on another node."""
+        side = peers[peer][0]
+        if side.host != me.host:
+            for who in (me, side):
+                if who.fabric.get("gid"):
+                    return f"on rank {who.rank} ({who.host}) {who.fabric['gid']}"
+        return _FIX
+
     pending: dict[int, int] = {}
     for peer, (side, remote) in sorted(peers.items()):
         try:
             pending[peer] = engine.post_write(peer, source[peer], remote, nbytes)
         except PeerFailedError as exc:
-            return f"the device-direct start-up probe: {me} could not write to {side} ({exc}); {_FIX}"
+            return f"the device-direct start-up probe: {me} could not write to {side} ({exc}); {fix(peer)}"
     end = time.monotonic() + deadline_s
     nap = 1e-4
     while pending:
@@ -123,13 +142,17 @@ def probe_peers(engine: Engine, me: Side, peers: dict[int, tuple[Side, int]], so
             if status is WriteStatus.DONE:
                 del pending[peer]
             elif status is WriteStatus.FAILED:
-                return (f"the device-direct start-up probe: a write from {me} to {peers[peer][0]} failed; {_FIX}")
+                return (f"the device-direct start-up probe: a write from {me} to {peers[peer][0]} failed; "
+                        f"{fix(peer)}")
         if not pending:
             break
         if time.monotonic() > end:
             peer = min(pending)
             return (f"the device-direct start-up probe: a write from {me} to {peers[peer][0]} did not complete "
-                    f"within {deadline_s:g} s; {_FIX}")
+                    f"within {deadline_s:g} s; {fix(peer)}")
         time.sleep(nap)
         nap = min(nap * 2, 0.01)
+    if me.fabric.get("gid") and any(side.host != me.host for side, _ in peers.values()):
+        # the writes arrived (one layer-2 segment carries them), but a routed network would not
+        log.warning("device-direct: %s", me.fabric["gid"])
     return None

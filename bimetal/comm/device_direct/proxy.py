@@ -54,8 +54,12 @@ class Proxy:
         self.device = device or torch.device("cpu")
         self.control = ControlChannel(host, rank, self.inline)  # publish .address; connect before start()
         self._lock = threading.Lock()  # sequence numbers and control sends: the caller's thread sends inline notes
-        self.transfers = Transfers(engine, self.control, self._lock, chunk, slots, window, self.device,
-                                   self._peer_name, reg_cache_bytes)
+        try:  # (the send pool registers memory: a refusal must not leave the listener open)
+            self.transfers = Transfers(engine, self.control, self._lock, chunk, slots, window, self.device,
+                                       self._peer_name, reg_cache_bytes)
+        except BaseException:
+            self.control.close()
+            raise
         self._ops: queue.Queue[Op | None] = queue.Queue()
         self._next_seq: dict[tuple[str, int, int], int] = collections.defaultdict(int)
         self._last_probe = 0.0

@@ -10,17 +10,28 @@ with its location name, every unregistration, the RDMA devices it was restricted
 engines (they stay pending forever), for the start-up probe's deadline.
 
 ``open_engine(host, protocol, devices)`` makes it an engine of ``bimetal.comm.device_direct.engine.ENGINES``
-(tests add ``"recording": "dd_doubles"``), so whole groups can be built on it through the back-end creator.
+(tests add ``"recording": "dd_doubles"``), so whole groups can be built on it through the back-end creator. Each
+engine keeps the engine variables of the environment it started in (``environment``: what Mooncake's ``init``
+would read), and the module says what its library reads (``FACTS``: set it to a wheel's facts), as the Mooncake
+adapter does. A fabric can make the engines started on some threads refuse every registration, as Mooncake does
+where GPU memory cannot be registered for RDMA.
+
+``BindingDouble`` stands in for the ``mooncake.engine`` module itself (the pybind binding, which needs
+libibverbs and a real engine): it keeps the binding's return codes (``transfer_engine_py.cpp``) and its batch
+ids, so the adapter's handling of a timed-out batch, a refused unregistration and an IPv6 session can be checked.
 """
 
 from __future__ import annotations
 
 import ctypes
 import itertools
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from bimetal.comm.device_direct.engine import Engine, PeerFailedError, WriteStatus
+from bimetal.comm.device_direct import engine_env
+from bimetal.comm.device_direct.engine import Engine, PeerFailedError, RegistrationError, WriteStatus
+from bimetal.comm.device_direct.mooncake import registration_failed
 
 
 @dataclass
@@ -29,6 +40,8 @@ class Fabric:
 
     engines: dict[str, RecordingEngine] = field(default_factory=dict)
     stalled: set[tuple[str, str]] = field(default_factory=set)  # (from session, to session): writes never finish
+    refusing_threads: set[str] = field(default_factory=set)
+    """Engines started on threads of these names refuse every registration."""
 
     def stall_all(self) -> None:
         """Every write from now on stays pending (a fabric that does not carry them)."""
@@ -37,6 +50,18 @@ class Fabric:
 
 FABRIC = Fabric()
 """The fabric of engines made through ``open_engine``."""
+FACTS: engine_env.LibraryFacts | None = None
+"""What the library of engines made through ``open_engine`` reads (None: nothing known)."""
+WHEEL = "the recording engine"
+STARTED: list[RecordingEngine] = []
+"""Every engine made through ``open_engine``, in order."""
+
+ROCM_0_3_13_POST1 = engine_env.LibraryFacts(frozenset({
+    "MC_FORCE_TCP", "MC_GID_INDEX", "MC_TE_FILTERS", "MC_USE_IPV6", "MC_USE_HIP_IPC", "MC_HIP_NUM_STREAMS",
+    "MC_HIP_NUM_EVENTS", "MOONCAKE_DISABLE_HIP_DMABUF", "MC_TCP_LANES_PER_PEER", "MC_TRANSFER_TIMEOUT"}), True,
+    "mooncake/engine.so")
+"""Part of what ``strings`` finds in the ROCm wheel 0.3.13.post1's ``mooncake/engine.so`` (the names bimetal cares
+about; no ``MC_DISABLE_HIP_TRANSPORT`` and no ``MC_DISABLE_HIP``), and its HIP transport."""
 _sessions = itertools.count()
 
 
@@ -51,6 +76,8 @@ class RecordingEngine(Engine):
         self.protocol, self.devices, self.gpu_prefix = protocol, devices, gpu_prefix
         self.session = f"recording-{next(_sessions)}"
         self.fabric.engines[self.session] = self
+        self.environment = engine_env.engine_variables()  # what the real engine's start would read
+        self.refuses = threading.current_thread().name in self.fabric.refusing_threads
         self.registrations: list[tuple[int, int, str]] = []  # (address, bytes, location) of every register call
         self.unregistrations: list[int] = []
         self.regions: dict[int, int] = {}  # live: address -> bytes
@@ -71,6 +98,8 @@ class RecordingEngine(Engine):
         return any(start <= ptr and ptr + nbytes <= start + size for start, size in self.regions.items())
 
     def register(self, ptr: int, nbytes: int, location: str) -> None:
+        if self.refuses:
+            raise RegistrationError(registration_failed(self.protocol, nbytes, location, -1))
         if any(ptr < start + size and start < ptr + nbytes for start, size in self.regions.items()):
             self.violations.append(f"registered {nbytes} bytes at {ptr:#x} over a live region")
             raise RuntimeError(self.violations[-1])
@@ -127,4 +156,65 @@ class RecordingEngine(Engine):
 
 def open_engine(host: str, protocol: str, devices: tuple[str, ...] = ()) -> Engine:
     """An engine on ``FABRIC`` (the ``ENGINES`` entry point)."""
-    return RecordingEngine(FABRIC, protocol, devices)
+    engine = RecordingEngine(FABRIC, protocol, devices)
+    STARTED.append(engine)
+    return engine
+
+
+def library_facts() -> engine_env.LibraryFacts | None:
+    """``FACTS`` (the adapter entry point ``engine.open_engine`` asks)."""
+    return FACTS
+
+
+def wheel_label() -> str:
+    return WHEEL
+
+
+class BindingDouble:
+    """Test double for the ``mooncake.engine`` binding module: ``TransferEngine`` with the binding's return codes.
+
+    ``check_codes``: what ``transfer_check_status`` answers for each submitted write, in order (then 1);
+    ``unregister_rc``/``register_rc``: what those calls return. ``batches`` holds the batch ids not yet freed."""
+
+    SUPPORT_HIP = False
+
+    def __init__(self, check_codes: list[int] | None = None, register_rc: int = 0, unregister_rc: int = 0) -> None:
+        self.check_codes = list(check_codes or [])
+        self.register_rc, self.unregister_rc = register_rc, unregister_rc
+        self.batches: set[int] = set()
+        self.initialized: list[tuple[str, ...]] = []
+        self.submitted: list[str] = []
+        double = self
+
+        class TransferEngine:
+            def initialize(self, *args: str) -> int:
+                double.initialized.append(args)
+                return 0
+
+            def get_rpc_port(self) -> int:
+                return 15001
+
+            def register_memory(self, ptr: int, nbytes: int, location: str) -> int:
+                return double.register_rc
+
+            def unregister_memory(self, ptr: int) -> int:
+                return double.unregister_rc
+
+            def transfer_submit_write(self, session: str, local: int, remote: int, nbytes: int) -> int:
+                double.submitted.append(session)
+                batch = 1000 + len(double.submitted)
+                double.batches.add(batch)
+                return batch
+
+            def transfer_check_status(self, batch: int) -> int:
+                code = double.check_codes.pop(0) if double.check_codes else 1
+                if code in (1, -1):  # done or failed: the binding frees the batch; a timeout (-2) does not
+                    double.batches.discard(batch)
+                return code
+
+            def get_batch_transfer_status(self, batches: list[int]) -> int:
+                for batch in batches:  # a timed-out batch counts as failed here, and is freed
+                    double.batches.discard(batch)
+                return -1
+
+        self.TransferEngine = TransferEngine

@@ -22,9 +22,10 @@ Options (``DeviceDirectOptions`` or a dict of its fields as ``pg_options``, else
 ``BIMETAL_DD_CHUNK_BYTES``, ``slots`` / ``BIMETAL_DD_SLOTS``, ``window`` / ``BIMETAL_DD_WINDOW``, ``inline_bytes``
 / ``BIMETAL_DD_INLINE_BYTES``, ``fallback`` / ``BIMETAL_DD_FALLBACK``, ``device`` / ``BIMETAL_DD_DEVICE``, ``devices``
 / ``BIMETAL_DD_DEVICES``, ``reg_cache_bytes`` / ``BIMETAL_DD_REG_CACHE_BYTES``, ``gid_index`` /
-``BIMETAL_DD_GID_INDEX``, ``allowed_interfaces`` (``parallel.interfaces``, else ``BIMETAL_IFACES``). The host defaults to this rank's own interface among those the
-group's members agree on (``bimetal.topology.reach``: candidates sharing a subnet with the peers, local rank i
-taking the i-th), proven reachable by every member before the engine starts.
+``BIMETAL_DD_GID_INDEX``, ``allowed_interfaces`` (``parallel.interfaces``, else ``BIMETAL_IFACES``). The host
+defaults to this rank's own interface among those the group's members agree on (``bimetal.topology.reach``:
+candidates sharing a subnet with the peers, local rank i taking the i-th), proven reachable by every member before
+the engine starts.
 """
 
 from __future__ import annotations

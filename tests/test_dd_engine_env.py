@@ -353,9 +353,12 @@ def test_a_wheel_that_cannot_load_names_the_missing_library_not_itself() -> None
     got = builds.load_problem("libamdhip64.so.7: cannot open shared object file: No such file or directory",
                               ROCM_WHEEL)
     assert got == ("Mooncake Transfer Engine (mooncake-transfer-engine-rocm 0.3.13.post1) is installed but could not "
-                   "load because libamdhip64.so.7 (its ROCm 7 runtime) is not on this node's library path; install the "
-                   "ROCm runtime of that major (a torch built for it carries it)")
+                   "load because libamdhip64.so.7 is not on this node's library path; install the ROCm 7 runtime (a "
+                   "torch built for ROCm 7 carries it)")
     assert "pip install" not in got
+    old_glibc = builds.load_problem("/lib/x86_64-linux-gnu/libc.so.6: version `GLIBC_2.35' not found (required by "
+                                    "/x/mooncake/engine.so)", ROCM_WHEEL)
+    assert "could not load because it needs glibc 2.35 and this node has glibc " in old_glibc, old_glibc
     # and for real, where this machine lacks libibverbs (the CPU wheel is installed but cannot load)
     from bimetal.comm.device_direct import mooncake
 
@@ -365,6 +368,6 @@ def test_a_wheel_that_cannot_load_names_the_missing_library_not_itself() -> None
         mooncake._import_mooncake()
     except EngineUnavailableError as exc:
         assert "is installed but could not load because libibverbs.so.1" in str(exc), exc
-        assert "`apt-get install libibverbs1`" in str(exc) and "pip install" not in str(exc), exc
+        assert "; run `apt-get install libibverbs1`" in str(exc) and "pip install" not in str(exc), exc
     else:
         pytest.skip("the engine loads here")

@@ -17,6 +17,7 @@ provides it (``load_problem``), never "install" the wheel that is already there.
 
 from __future__ import annotations
 
+import platform
 import re
 from dataclasses import dataclass
 from importlib import metadata
@@ -125,31 +126,36 @@ def runtime_problem(engines: list[tuple[str, str]], torch_hip: str | None, torch
 
 
 LIBRARIES = {
-    "libibverbs.so": "`apt-get install libibverbs1` (the RDMA verbs library; the engine links it even for TCP)",
-    "libmlx5.so": "`apt-get install ibverbs-providers`",
-    "libnuma.so": "`apt-get install libnuma1`",
-    "libcurl.so": "`apt-get install libcurl4`",
-    "libamdhip64.so": "the ROCm runtime of that major (a torch built for it carries it)",
-    "libhsa-runtime64.so": "the ROCm runtime (hsa-rocr)",
-    "libcudart.so": "the CUDA runtime of that major (a torch built for it carries it)",
-    "libcuda.so": "the NVIDIA driver",
+    "libibverbs.so": "run `apt-get install libibverbs1` (the RDMA verbs library; the engine links it even for TCP)",
+    "libmlx5.so": "run `apt-get install ibverbs-providers`",
+    "libnuma.so": "run `apt-get install libnuma1`",
+    "libcurl.so": "run `apt-get install libcurl4`",
+    "libamdhip64.so": "install the ROCm {major} runtime (a torch built for ROCm {major} carries it)",
+    "libhsa-runtime64.so": "install the ROCm runtime (hsa-rocr)",
+    "libcudart.so": "install the CUDA {major} runtime (a torch built for CUDA {major} carries it)",
+    "libcuda.so": "install the NVIDIA driver",
 }
-"""Libraries the engine wheels link that a node may lack (``readelf -d``), and what provides each."""
+"""Libraries the engine wheels link that a node may lack (``readelf -d``), and how to get each."""
 
 
 def load_problem(error: str, engines: list[tuple[str, str]]) -> str:
     """One sentence for an engine that is installed (``engines``) but failed to load with ``error``."""
     which = ", ".join(f"{n} {v}" for n, v in engines) or "the mooncake package"
-    missing = re.search(r"(lib[\w.+-]+\.so(?:\.\d+)*)", error)
+    glibc = re.search(r"GLIBC_(\d+\.\d+)'? not found", error)
+    if glibc is not None:  # the ROCm wheel is manylinux_2_35: an older distribution cannot load it
+        have = platform.libc_ver()[1] or "older"
+        return (f"Mooncake Transfer Engine ({which}) is installed but could not load because it needs glibc "
+                f"{glibc.group(1)} and this node has glibc {have}; run it on a newer distribution (glibc "
+                f"{glibc.group(1)} or later, e.g. Ubuntu 22.04)")
+    missing = re.search(r"(lib[\w.+-]+\.so)((?:\.\d+)*): cannot open shared object file", error)
     if missing is None:
         return (f"Mooncake Transfer Engine ({which}) is installed but could not load ({error}); reinstall it with "
                 f"`pip install --force-reinstall --no-deps {engines[0][0] if engines else 'WHEEL'}=={ENGINE_RELEASE}`")
-    lib = missing.group(1)
-    fix = next((how for stem, how in LIBRARIES.items() if lib.startswith(stem)), "the package that provides it")
-    needed_by = next((b for b in BUILDS.values() if b.runtime and b.runtime == lib), None)
-    runtime = f" (its {needed_by.runtime_label} runtime)" if needed_by else ""
-    return (f"Mooncake Transfer Engine ({which}) is installed but could not load because {lib}{runtime} is not on "
-            f"this node's library path; install {fix}")
+    lib = missing.group(1) + missing.group(2)
+    major = missing.group(2).lstrip(".").split(".")[0] or "matching"
+    fix = LIBRARIES.get(missing.group(1), "install the package that provides it").format(major=major)
+    return (f"Mooncake Transfer Engine ({which}) is installed but could not load because {lib} is not on this node's "
+            f"library path; {fix}")
 
 
 def wanted(torch_kind: str, gpu_visible: bool) -> Build:

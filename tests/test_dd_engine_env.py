@@ -84,6 +84,7 @@ def test_the_published_rocm_wheel_cannot_serve_a_group_across_nodes_over_rdma(mo
     """It reads neither variable that turns its HIP transport off: one sentence (an engine that cannot start),
     and a user's MC_DISABLE_HIP_TRANSPORT=1 is named as having no effect rather than trusted."""
     monkeypatch.setattr(dd_doubles, "WHEEL", "mooncake-transfer-engine-rocm 0.3.13.post1")
+    started = len(dd_doubles.STARTED)
     with pytest.raises(EngineUnavailableError) as caught:
         _open("rdma", ROCM, remote=True)
     assert str(caught.value) == (
@@ -94,7 +95,10 @@ def test_the_published_rocm_wheel_cannot_serve_a_group_across_nodes_over_rdma(mo
     monkeypatch.setenv("MC_DISABLE_HIP_TRANSPORT", "1")
     with pytest.raises(EngineUnavailableError, match=r"\(so MC_DISABLE_HIP_TRANSPORT=1 set here has no effect\); "):
         _open("rdma", ROCM, remote=True)
-    assert not dd_doubles.FABRIC.engines or all(e.protocol == "tcp" for e in dd_doubles.FABRIC.engines.values())
+    assert len(dd_doubles.STARTED) == started  # refused before an engine started
+    over_tcp = _open("tcp", ROCM, remote=True)  # what the sentence advises: starts (MC_FORCE_TCP keeps HIP out)
+    assert over_tcp.environment == {"MC_FORCE_TCP": "1", "MC_DISABLE_HIP_TRANSPORT": "1"}
+    over_tcp.close()
 
 
 def test_the_users_engine_variables_win_and_are_logged(monkeypatch: pytest.MonkeyPatch,

@@ -50,7 +50,8 @@ HIP_OFF = ("MC_DISABLE_HIP_TRANSPORT", "MC_DISABLE_HIP")
 MANAGED = (FORCE_TCP, GID_INDEX, USE_IPV6, *HIP_OFF)
 """Every engine variable bimetal may set."""
 _HIP_MARK = b"HIP transport installed"  # the log line of a build that installs the HIP transport
-_NAME = re.compile(rb"(?<![A-Za-z0-9_])(?:MC|MOONCAKE)_[A-Z0-9_]{2,}(?![A-Za-z0-9_])")
+_NAME = re.compile(rb"(?:MC|MOONCAKE)_[A-Z0-9_]{2,}")  # (no look-behind: 20 ms over a 5 MB library, not 1.5 s)
+_WORD = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_")
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,8 @@ def library_facts(library: Path | None = None) -> LibraryFacts | None:
 def _read_facts(path: str, mtime_ns: int, size: int) -> LibraryFacts:
     # (mtime and size key the cache: a reinstalled wheel is read again)
     data = Path(path).read_bytes()
-    return LibraryFacts(frozenset(m.decode() for m in _NAME.findall(data)), _HIP_MARK in data, path)
+    names = {m.group().decode() for m in _NAME.finditer(data) if m.start() == 0 or data[m.start() - 1] not in _WORD}
+    return LibraryFacts(frozenset(names), _HIP_MARK in data, path)
 
 
 @dataclass

@@ -29,6 +29,7 @@ from bimetal.comm.device_direct.probe import ProbeFailedError
 from bimetal.topology import local_device, store_exchange, versions
 from bimetal.topology.exchange import host_identity
 from bimetal.topology.interfaces import NicInfo, by_name, candidate_nics
+from bimetal.topology.pci import paired_rdma
 from bimetal.topology.reach import choose_and_confirm
 
 log = logging.getLogger(__name__)
@@ -47,7 +48,8 @@ def create_process_group(dist_backend_opts: Any, pg_options: Any) -> dist.Proces
     reason = ""
     try:
         protocol = choose_protocol(None if opts.protocol == "auto" else opts.protocol, opts.devices)
-        engine = open_engine(opts.host, protocol, opts.engine, opts.devices)
+        # devices named win; else the one paired with this rank's GPU by the PCI topology (pci.rank_rdma)
+        engine = open_engine(opts.host, protocol, opts.engine, opts.devices or paired_rdma(local_device.local_rank()))
     except EngineUnavailableError as exc:
         reason = str(exc)
     # agreement round: every rank says whether its engine started before anyone builds the group

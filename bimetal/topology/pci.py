@@ -158,10 +158,12 @@ def ranked(names: Sequence[str], local_rank: int, gpu: str | None, root: Path = 
         return []
     start = local_rank % len(names)
     rotation = [*range(start, len(names)), *range(start)]
+    if not gpu:
+        return [(names[i], BY_POSITION) for i in rotation]
     places = [nic_place(n, root, kind) for n in names]
     gpus = node_gpus(root)
     mine = next((g for g in gpus if g.bdf == gpu), None)
-    if mine is None and gpu:
+    if mine is None:
         mine = place_of(root / "sys/bus/pci/devices" / gpu)
         gpus = sorted([*gpus, mine], key=lambda p: p.bdf) if mine is not None else gpus
     if mine is None or all(p is None for p in places):

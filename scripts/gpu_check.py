@@ -55,13 +55,15 @@ class Run:
     table written row by row (``gpu_check.md`` appended and flushed as each row is known, ``gpu_check.json``
     rewritten), and the step made to hang (``--test-hang``, for the check's own test)."""
 
-    def __init__(self, out: Path, cpu: bool, timeout: float, budget: float, hang: str, device: str) -> None:
+    def __init__(self, out: Path, cpu: bool, timeout: float, budget: float, hang: str, device: str,
+                 md: Path | None = None) -> None:
         self.out, self.cpu, self.timeout, self.hang = out, cpu, timeout, hang
+        self.md = md or out / "gpu_check.md"
         self.t0 = time.monotonic()
         self.deadline = self.t0 + budget if budget > 0 else float("inf")
         self.report = {"device": device, "date": time.strftime("%Y-%m-%d", time.gmtime()),
                        "mode": "cpu" if cpu else "gpu", "seconds": None, "complete": False, "rows": []}
-        with open(out / "gpu_check.md", "w") as f:
+        with open(self.md, "w") as f:
             f.write(f"bimetal GPU check on {device}, {self.report['date']} ({self.report['mode']} mode)\n\n"
                     "| check | result | rank 0 (nvidia) / rank 1 (amd) |\n|---|---|---|\n")
         self._save()
@@ -88,7 +90,7 @@ class Run:
     def add(self, rows: list[dict]) -> None:
         """Rows as they are known: appended to the table file and flushed to disk, the JSON rewritten."""
         self.report["rows"].extend(rows)  # type: ignore[attr-defined]
-        with open(self.out / "gpu_check.md", "a") as f:
+        with open(self.md, "a") as f:
             f.writelines(markdown_row(r) for r in rows)
             f.flush()
             os.fsync(f.fileno())
@@ -98,7 +100,7 @@ class Run:
 
     def finish(self, stopped: str = "") -> dict:
         self.report.update(seconds=round(time.monotonic() - self.t0, 1), complete=not stopped)
-        with open(self.out / "gpu_check.md", "a") as f:
+        with open(self.md, "a") as f:
             f.write(f"\n{'Stopped (' + stopped + ')' if stopped else 'Finished'} after {self.report['seconds']} s.\n")
         self._save()
         return self.report
@@ -239,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="", help="folder for gpu_check.json (default: a temporary folder)")
     ap.add_argument("--timeout", type=float, default=220.0,
                     help="seconds each step may take before it is ended and reported (default 220)")
+    ap.add_argument("--md", default="", help="where the markdown table goes, row by row (default OUT/gpu_check.md)")
     ap.add_argument("--budget", type=float, default=0.0,
                     help="seconds the whole check may take: a step gets --timeout or what is left, if less, and "
                          "steps past the budget are rows that say so (default 0: no budget)")
@@ -263,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         device = torch.cuda.get_device_name(0)
     else:
         device = "cpu (staging forced, copy double)"
-    run = Run(out, args.cpu, args.timeout, args.budget, args.test_hang, device)
+    run = Run(out, args.cpu, args.timeout, args.budget, args.test_hang, device, Path(args.md) if args.md else None)
     print(f"bimetal GPU check on {device}, {run.report['date']} (rows as they finish)", flush=True)
     stopped = ""
     try:
@@ -279,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         run.add([{"check": "the check", "pass": False, "value": f"{stopped} during a step; the rows above are "
                                                                  "all it finished"}])
     report = run.finish(stopped)
-    print(f"bimetal GPU check: {report['seconds']} s; table {out / 'gpu_check.md'}, JSON {out / 'gpu_check.json'}")
+    print(f"bimetal GPU check: {report['seconds']} s; table {run.md}, JSON {out / 'gpu_check.json'}")
     return 0 if all(r["pass"] is not False for r in report["rows"]) else 1
 
 

@@ -56,8 +56,9 @@ class Run:
     rewritten), and the step made to hang (``--test-hang``, for the check's own test)."""
 
     def __init__(self, out: Path, cpu: bool, timeout: float, budget: float, hang: str, device: str,
-                 md: Path | None = None) -> None:
+                 md: Path | None = None, limits: dict[str, float] | None = None) -> None:
         self.out, self.cpu, self.timeout, self.hang = out, cpu, timeout, hang
+        self.limits = limits or {}
         self.md = md or out / "gpu_check.md"
         self.t0 = time.monotonic()
         self.deadline = self.t0 + budget if budget > 0 else float("inf")
@@ -69,13 +70,14 @@ class Run:
         self._save()
 
     def step(self, name: str, args: list[str], log: Path) -> str | None:
-        """Run step ``name`` (its command ``args``, output in ``log``) under its time limit: ``--timeout``, or
-        what is left of the budget if less. None when it exited 0, else why not in a few words (a step that
-        outlives its limit is ended with every process it started, so a hang is a failing row)."""
+        """Run step ``name`` (its command ``args``, output in ``log``) under its time limit: its part's in
+        ``--limits``, else ``--timeout``, or what is left of the budget if less. None when it exited 0, else why
+        not in a few words (a step that outlives its limit is ended with every process it started, so a hang is
+        a failing row)."""
         left = self.deadline - time.monotonic()
         if left < 1:
             return "not run: the check's budget was spent (output: none)"
-        limit = min(self.timeout, left)
+        limit = min(self.limits.get(name.split("-")[0], self.timeout), left)
         if name == self.hang:
             args = [sys.executable, "-m", "bimetal.cli", "launch", "--simulate", "nvidia:1,amd:1", "--",
                     str(Path(__file__).resolve()), "--hang-rank", str(self.out)]
@@ -245,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", type=float, default=0.0,
                     help="seconds the whole check may take: a step gets --timeout or what is left, if less, and "
                          "steps past the budget are rows that say so (default 0: no budget)")
+    ap.add_argument("--limits", default="", help="seconds per part where not --timeout, e.g. transport=150,parity=60")
     ap.add_argument("--only", default=",".join(PARTS), help=f"which parts, of {','.join(PARTS)} (default all)")
     ap.add_argument("--test-hang", default="", help=argparse.SUPPRESS)  # test only: this step's ranks hang
     ap.add_argument("--hang-rank", default="", help=argparse.SUPPRESS)  # test only: the rank program it runs
@@ -252,9 +255,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.hang_rank:
         hang_rank(Path(args.hang_rank))
     parts = [p.strip() for p in args.only.split(",") if p.strip()]
-    if args.timeout <= 0 or args.budget < 0 or not parts or set(parts) - set(PARTS):
-        print(f"gpu_check: --timeout must be positive, --budget 0 or more and --only parts of {','.join(PARTS)} "
-              f"(got {args.timeout:g}, {args.budget:g}, {args.only!r})", file=sys.stderr)
+    try:
+        limits = {k.strip(): float(v) for k, v in (item.split("=") for item in args.limits.split(",") if item)}
+    except ValueError:
+        limits = {"": -1.0}
+    if (args.timeout <= 0 or args.budget < 0 or not parts or set(parts) - set(PARTS) or set(limits) - set(PARTS)
+            or min(limits.values(), default=1) <= 0):
+        print(f"gpu_check: --timeout must be positive, --budget 0 or more, --only parts of {','.join(PARTS)} and "
+              f"--limits part=seconds (got {args.timeout:g}, {args.budget:g}, {args.only!r}, {args.limits!r})",
+              file=sys.stderr)
         return 2
     out = Path(args.out or tempfile.mkdtemp(prefix="bimetal-gpu-check-"))
     out.mkdir(parents=True, exist_ok=True)
@@ -266,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
         device = torch.cuda.get_device_name(0)
     else:
         device = "cpu (staging forced, copy double)"
-    run = Run(out, args.cpu, args.timeout, args.budget, args.test_hang, device, Path(args.md) if args.md else None)
+    run = Run(out, args.cpu, args.timeout, args.budget, args.test_hang, device, Path(args.md) if args.md else None,
+              limits)
     print(f"bimetal GPU check on {device}, {run.report['date']} (rows as they finish)", flush=True)
     stopped = ""
     try:

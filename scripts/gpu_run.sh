@@ -14,7 +14,8 @@
 # (scripts/gpu_bundle.sh makes it where PyPI is reachable; scripts/gpu_unpack.sh unpacks it): the wheels go to a
 # temporary folder, the Mooncake engine and its metadata beside them, and of the bundled system libraries only those
 # the engine cannot find go on the library path.
-# Usage: scripts/gpu_run.sh [both|check|ladder]
+# Usage: scripts/gpu_run.sh [both|check|ladder]   (GPU_CHECK_ARGS, GPU_LADDER_ARGS: more options for either part, as
+# tests/test_gpu_check.py rehearses the run on the CPU: "--cpu --only transport,trainer --test-hang transport")
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -68,13 +69,15 @@ EOF
 # --- the parts -------------------------------------------------------------------------------------------------
 rc=0
 if [ "$PART" != ladder ]; then
-  check_s=$(( $(left) - (PART == "both" ? 255 : 15) ))
+  reserve=15  # the logs; with the ladder to come, its 240 s too
+  [ "$PART" = both ] && reserve=255
+  check_s=$(( $(left) - reserve ))
   [ "$check_s" -gt 240 ] && check_s=240
   say "GPU check (budget $check_s s; 90 s per step; rows in $OUT/gpu_check.md as they finish)"
   # the table goes straight to $OUT, row by row, so a call cut short still brings back what was measured; the check
   # ends itself within its budget, the outer limit is the backstop (SIGTERM: it ends its step and keeps its rows)
   timeout -k 10 $(( check_s + 20 )) "$PY" scripts/gpu_check.py --out "$WORK/check" --md "$OUT/gpu_check.md" \
-    --timeout 90 --budget "$check_s" >"$WORK/check.txt" 2>&1
+    --timeout 90 --budget "$check_s" ${GPU_CHECK_ARGS:-} >"$WORK/check.txt" 2>&1
   code=$?
   say "GPU check exit status $code"
   [ $code -eq 0 ] || rc=1
@@ -88,7 +91,7 @@ if [ "$PART" != check ]; then
   [ "$ladder_s" -gt 300 ] && ladder_s=300
   say "GPU ladder (limit $ladder_s s)"
   timeout -k 10 "$ladder_s" "$PY" -m bimetal.cli bench gpu-ladder --out "$WORK/ladder" --profile \
-    --timeout $(( ladder_s - 20 )) >"$WORK/ladder.txt" 2>&1
+    --timeout $(( ladder_s - 20 )) ${GPU_LADDER_ARGS:-} >"$WORK/ladder.txt" 2>&1
   code=$?
   say "GPU ladder exit status $code"
   [ $code -eq 0 ] || rc=1

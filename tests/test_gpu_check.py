@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -91,22 +92,28 @@ def _hung_pids(out: Path) -> list[int]:
 
 
 def test_a_hung_step_is_ended_whole_and_the_other_rows_are_written(tmp_path: Path) -> None:
-    """``--test-hang transport`` (test only): the transport step's two ranks hang, each with a child in a session
-    of its own, ignoring SIGTERM. The step is ended at its limit with all four processes, the trainer's row is
-    still measured and written, and the check ends within its budget."""
+    """``scripts/gpu_run.sh check`` rehearsed on the CPU with ``--test-hang transport`` (test only): the transport
+    step's two ranks hang, each with a child in a session of its own, ignoring SIGTERM. The step is ended at its
+    limit with all four processes, the trainer's row is still measured, both rows are in ``$OUT/gpu_check.md`` as
+    they finished, and the run ends within its budget."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(OUT=str(tmp_path / "out"), PYTHON=sys.executable, BUDGET="150",
+               GPU_CHECK_ARGS="--cpu --only transport,trainer --test-hang transport --limits transport=20 "
+                              "--timeout 150")
     t0 = time.monotonic()
-    proc = subprocess.run([str(ROOT / "scripts" / "gpu_check.sh"), "--cpu", "--out", str(tmp_path), "--only",
-                           "transport,trainer", "--test-hang", "transport", "--timeout", "45", "--budget", "150"],
-                          env=env, capture_output=True, text=True, timeout=200, cwd=ROOT)
+    proc = subprocess.run([str(ROOT / "scripts" / "gpu_run.sh"), "check"], env=env, capture_output=True, text=True,
+                          timeout=200, cwd=ROOT)
     took = time.monotonic() - t0
-    assert proc.returncode == 1, proc.stdout + proc.stderr
-    pids = _hung_pids(tmp_path)
-    assert len(pids) == 4 and all(_gone(p) for p in pids), pids
-    table = (tmp_path / "gpu_check.md").read_text()
-    assert "| transport checks ran | FAIL | timed out after 45 s" in table, table
+    assert proc.returncode == 1, proc.stdout + proc.stderr  # a failing row: the hung step
+    table = (tmp_path / "out/gpu_check.md").read_text()
+    assert "| transport checks ran | FAIL | timed out after 20 s" in table, table
     assert "| demo trainer 8 steps f32 on CPU | pass | loss" in table, table
     assert took < 150 + 15, took
+    with tarfile.open(tmp_path / "out/logs.tar.gz") as logs:
+        logs.extractall(tmp_path / "logs", filter="data")
+    pids = _hung_pids(tmp_path / "logs/check")
+    assert len(pids) == 4 and all(_gone(p) for p in pids), pids
+    assert "processes on the GPU after the check: none" in (tmp_path / "out/gpu_run.txt").read_text()
 
 
 def test_a_check_told_to_stop_ends_the_step_and_keeps_its_rows(tmp_path: Path) -> None:

@@ -11,6 +11,11 @@ one process training the same global batch. Prints one table and writes it as ``
 step's output beside it (``transport.log``, ``train.log``, ``parity-<name>.log``). Exit status 0 when every
 judged row passes, 1 otherwise.
 
+Each row is appended to ``gpu_check.md`` (``--md``: elsewhere) as it finishes. ``--timeout`` (per step,
+``--limits part=seconds`` per part) and ``--budget`` (the whole check) bound the time; a step past either is
+ended with every process it started (``bimetal.bench.steps``) and is a failing row; SIGTERM ends the running
+step and keeps the rows. ``--only`` picks parts (transport, trainer, parity).
+
 ``--cpu``: the same code with CPU tensors and ``BIMETAL_CF_FORCE_STAGING=1`` (the staged paths, with the CPU
 copy double), small sizes and short training runs in float32, so that CI runs it end to end without a GPU.
 """

@@ -38,6 +38,7 @@ ROOT = Path("/")
 GPU_VENDORS = ("0x10de", "0x1002")
 GPU_CLASSES = ("0x0300", "0x0302", "0x0380", "0x1200")
 BY_POSITION = "by position: no PCI topology"
+NO_DEVICE = "no PCI device"
 SAME_SWITCH, SAME_ROOT, SAME_NUMA = "same PCIe switch", "same root complex", "same NUMA node"
 _BDF = re.compile(r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
 
@@ -92,7 +93,7 @@ def closeness(a: Place, b: Place | None) -> tuple[int, int, int]:
 def reason(a: Place, b: Place | None) -> str:
     """Why ``b`` is as near ``a`` as it is, in a few words (what ``bimetal topo`` shows)."""
     if b is None:
-        return "no PCI device"
+        return NO_DEVICE
     shared, same_root, same_numa = closeness(a, b)
     if shared:
         return SAME_SWITCH
@@ -224,7 +225,7 @@ def rank_rdma(local_rank: int, gpu: str | None = None, root: Path | None = None)
     restricts its engine to unless ``BIMETAL_DD_DEVICES`` names devices."""
     root = sysfs_root() if root is None else root
     order = ranked(rdma_devices(root), local_rank, gpu if gpu is not None else rank_gpu(), root, "infiniband")
-    return order[0] if order and order[0][1] != BY_POSITION else None
+    return order[0] if order and order[0][1] not in (BY_POSITION, NO_DEVICE) else None
 
 
 def paired_rdma(local_rank: int) -> tuple[str, ...]:

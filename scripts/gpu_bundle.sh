@@ -44,6 +44,8 @@ if [ "$ENGINE" = mooncake-transfer-engine ]; then
   (cd "$B/tmp" && unzip -q -j nvidia_cuda_runtime_cu12-*.whl 'nvidia/cuda_runtime/lib/libcudart.so.12' -d ../lib)
 fi
 rm -rf "$B/tmp"
+# an image whose package lists were cleaned knows no package until they are fetched again (as root, as make test does)
+if ! apt-cache show libnl-3-200 >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then apt-get update -qq; fi
 # libibverbs1 links libnl-3 and libnl-route-3; libcurl4's own needs are listed too: on a machine without libcurl
 # they are usually missing as well
 (cd "$B/debs" && apt-get download -q libibverbs1 libnl-3-200 libnl-route-3-200 ibverbs-providers libnuma1 libcurl4 \

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from bimetal import env
 from bimetal.errors import UserError
+from bimetal.topology import pci
 
 ENV_IFACES = "BIMETAL_IFACES"
 SYSFS = Path("/sys/class/net")
@@ -222,8 +223,6 @@ def pick(usable: Sequence[NicInfo], local_rank: int, count: int = 1, prefer: Seq
 def preference(nics: Sequence[NicInfo], local_rank: int) -> list[str]:
     """This rank's order of preference over ``nics`` (its candidates): nearest its GPU in the PCI topology first
     (``bimetal.topology.pci``), by position where sysfs cannot say."""
-    from bimetal.topology import pci
-
     return [name for name, _ in pci.rank_order([n.name for n in nics], local_rank)]
 
 

@@ -11,10 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from fake_sysfs import Tree, h100_node, mi300x_node
 
 from bimetal.topology import pci
 from bimetal.topology.interfaces import NicInfo, candidate_nics, pick
-from tests.fake_sysfs import Tree, h100_node, mi300x_node
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.timeout(120)

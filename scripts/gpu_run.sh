@@ -99,5 +99,6 @@ if [ "$PART" != check ]; then
   tail -n 60 "$WORK/ladder.txt"
 fi
 tar czf "$OUT/logs.tar.gz" -C "$WORK" --exclude=checkpoints --exclude=site --exclude=debs --exclude=libs . 2>/dev/null
+rm -rf "$WORK"  # everything worth keeping is in logs.tar.gz
 say "done, exit status $rc; files in $OUT: $(ls "$OUT" | tr '\n' ' ')"
 exit $rc

@@ -206,6 +206,10 @@ VARIABLES: dict[str, Variable] = {
         "network", Check("any non-empty name", _nonempty), "the host name (plus the network namespace, in the lab)",
         "This rank's node name in the topology: ranks with one name share a node. The lab sets it per namespace; "
         "under `srun`, the Slurm node name."),
+    "BIMETAL_SYSFS": Variable(
+        "network", Check("a folder", _nonempty), "`/`", "The folder sysfs is read under when GPUs are paired with "
+        "NICs by the PCI topology (`<folder>/sys/bus/pci`, `<folder>/sys/class/net`, `<folder>/sys/class/infiniband`"
+        "). For tests and previews on a copy of a node's tree; a real job leaves it unset."),
     "BIMETAL_IFACES": Variable(
         "network", _IFACE_LIST, "every up IPv4 interface less loopback, bridges and container networks, narrowed "
         "to the peers' subnets", "Interfaces the cross-vendor transports may use on this node. The config's "
@@ -244,8 +248,10 @@ VARIABLES: dict[str, Variable] = {
         "dd", Check("an IP address", _host), "this rank's address among the interfaces the group agrees on",
         "The address the engine and the control channel listen on."),
     "BIMETAL_DD_DEVICES": Variable(
-        "dd", Check("RDMA device names, comma-separated (`mlx5_0,mlx5_1`)", _rdma_devices), "every RDMA device "
-        "of the node", "The RDMA devices the engine may open; each must exist on the host."),
+        "dd", Check("RDMA device names, comma-separated (`mlx5_0,mlx5_1`)", _rdma_devices), "the RDMA device "
+        "paired with the rank's GPU by the PCI topology (same PCIe switch, root complex, NUMA node), else every RDMA "
+        "device of the node", "The RDMA devices the engine may open; each must exist on the host. Names win over "
+        "the pairing `bimetal topo` shows."),
     "BIMETAL_DD_DEVICE": Variable(
         "dd", Check("a torch device (`cpu`, `cuda:0`)", _device), "this rank's GPU, else the CPU", "Where the "
         "receive slots live."),

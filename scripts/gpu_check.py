@@ -11,6 +11,11 @@ one process training the same global batch. Prints one table and writes it as ``
 step's output beside it (``transport.log``, ``train.log``, ``parity-<name>.log``). Exit status 0 when every
 judged row passes, 1 otherwise.
 
+Each row is appended to ``gpu_check.md`` (``--md``: elsewhere) as it finishes. ``--timeout`` (per step,
+``--limits part=seconds`` per part) and ``--budget`` (the whole check) bound the time; a step past either is
+ended with every process it started (``bimetal.bench.steps``) and is a failing row; SIGTERM ends the running
+step and keeps the rows. ``--only`` picks parts (transport, trainer, parity).
+
 ``--cpu``: the same code with CPU tensors and ``BIMETAL_CF_FORCE_STAGING=1`` (the staged paths, with the CPU
 copy double), small sizes and short training runs in float32, so that CI runs it end to end without a GPU.
 """
@@ -25,7 +30,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bimetal from this checkout
+
+from bimetal.bench.steps import Stopped, run_step  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -45,30 +55,75 @@ def _env(cpu: bool, simulated: bool) -> dict[str, str]:
     return env
 
 
-def step(args: list[str], cpu: bool, log: Path, timeout: float) -> str | None:
-    """Run one step of the check in its own process group, its output (stdout and stderr) kept in ``log``.
-    None when it exited 0; else why not, in a few words (a step that outlives ``timeout`` is killed with all
-    its ranks and reported, so a hang is a failing row and the table still prints)."""
-    with open(log, "w") as f:
-        proc = subprocess.Popen(args, env=_env(cpu, "--simulate" in args), stdout=f, stderr=subprocess.STDOUT,
-                                cwd=ROOT, start_new_session=True)
-        try:
-            rc = proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            return f"timed out after {timeout:.0f} s (output: {log.name})"
-    if rc == 0:
-        return None
-    last = [line for line in log.read_text(errors="replace").splitlines() if line.strip()][-1:]
-    return f"exit status {rc}: {last[0][:200] if last else 'no output'} (output: {log.name})"
+class Run:
+    """One run of the check: where it writes, its mode, each step's time limit inside the whole budget, the
+    table written row by row (``gpu_check.md`` appended and flushed as each row is known, ``gpu_check.json``
+    rewritten), and the step made to hang (``--test-hang``, for the check's own test)."""
+
+    def __init__(self, out: Path, cpu: bool, timeout: float, budget: float, hang: str, device: str,
+                 md: Path | None = None, limits: dict[str, float] | None = None) -> None:
+        self.out, self.cpu, self.timeout, self.hang = out, cpu, timeout, hang
+        self.limits = limits or {}
+        self.md = md or out / "gpu_check.md"
+        self.t0 = time.monotonic()
+        self.deadline = self.t0 + budget if budget > 0 else float("inf")
+        self.report = {"device": device, "date": time.strftime("%Y-%m-%d", time.gmtime()),
+                       "mode": "cpu" if cpu else "gpu", "seconds": None, "complete": False, "rows": []}
+        with open(self.md, "w") as f:
+            f.write(f"bimetal GPU check on {device}, {self.report['date']} ({self.report['mode']} mode)\n\n"
+                    "| check | result | rank 0 (nvidia) / rank 1 (amd) |\n|---|---|---|\n")
+        self._save()
+
+    def step(self, name: str, args: list[str], log: Path) -> str | None:
+        """Run step ``name`` (its command ``args``, output in ``log``) under its time limit: its part's in
+        ``--limits``, else ``--timeout``, or what is left of the budget if less. None when it exited 0, else why
+        not in a few words (a step that outlives its limit is ended with every process it started, so a hang is
+        a failing row)."""
+        left = self.deadline - time.monotonic()
+        if left < 1:
+            return "not run: the check's budget was spent (output: none)"
+        limit = min(self.limits.get(name.split("-")[0], self.timeout), left)
+        if name == self.hang:
+            args = [sys.executable, "-m", "bimetal.cli", "launch", "--simulate", "nvidia:1,amd:1", "--",
+                    str(Path(__file__).resolve()), "--hang-rank", str(self.out)]
+        rc = run_step(args, log, limit, env=_env(self.cpu, "--simulate" in args), cwd=ROOT)
+        if rc is None:
+            return f"timed out after {limit:.0f} s (output: {log.name})"
+        if rc == 0:
+            return None
+        last = [line for line in log.read_text(errors="replace").splitlines() if line.strip()][-1:]
+        return f"exit status {rc}: {last[0][:200] if last else 'no output'} (output: {log.name})"
+
+    def add(self, rows: list[dict]) -> None:
+        """Rows as they are known: appended to the table file and flushed to disk, the JSON rewritten."""
+        self.report["rows"].extend(rows)  # type: ignore[attr-defined]
+        with open(self.md, "a") as f:
+            f.writelines(markdown_row(r) for r in rows)
+            f.flush()
+            os.fsync(f.fileno())
+        self._save()
+        for r in rows:
+            print(table([r]), flush=True)
+
+    def finish(self, stopped: str = "") -> dict:
+        self.report.update(seconds=round(time.monotonic() - self.t0, 1), complete=not stopped)
+        with open(self.md, "a") as f:
+            f.write(f"\n{'Stopped (' + stopped + ')' if stopped else 'Finished'} after {self.report['seconds']} s.\n")
+        self._save()
+        return self.report
+
+    def _save(self) -> None:
+        tmp = self.out / "gpu_check.json.tmp"
+        tmp.write_text(json.dumps(self.report, indent=1))
+        tmp.replace(self.out / "gpu_check.json")
 
 
-def transport_rows(out: Path, cpu: bool, timeout: float) -> list[dict]:
+def transport_rows(run: Run) -> list[dict]:
+    out, cpu = run.out, run.cpu
     sizes = ["4", "8", "8", "2"] if cpu else ["64", "256", "64", "16"]
-    failed = step([sys.executable, "-m", "bimetal.cli", "launch", "--simulate", "nvidia:1,amd:1", "--",
-                   str(ROOT / "scripts" / "gpu_check_rank.py"), str(out), "cpu" if cpu else "cuda", *sizes],
-                  cpu, out / "transport.log", timeout)
+    failed = run.step("transport", [sys.executable, "-m", "bimetal.cli", "launch", "--simulate", "nvidia:1,amd:1",
+                                    "--", str(ROOT / "scripts" / "gpu_check_rank.py"), str(out),
+                                    "cpu" if cpu else "cuda", *sizes], out / "transport.log")
     files = sorted(out.glob("rank*.json"))
     if failed or len(files) != 2:
         return [{"check": "transport checks ran", "pass": False,
@@ -83,7 +138,8 @@ def transport_rows(out: Path, cpu: bool, timeout: float) -> list[dict]:
     return rows
 
 
-def trainer_row(out: Path, cpu: bool, timeout: float) -> dict:
+def trainer_row(run: Run) -> dict:
+    out, cpu = run.out, run.cpu
     steps = 8 if cpu else 50
     run_dir = out / "train"
     args = [sys.executable, "-m", "bimetal.cli", "train", "--config", str(ROOT / "configs" / "demo.toml"),
@@ -92,7 +148,7 @@ def trainer_row(out: Path, cpu: bool, timeout: float) -> dict:
             "--metrics.log_every=1", "--checkpoint.every=0", "--optim.warmup_steps=2", "--optim.lr=3e-3"]
     if cpu:
         args += ["--data.seq_len=32", "--data.batch_size=4"]
-    failed = step(args, cpu, out / "train.log", timeout)
+    failed = run.step("trainer", args, out / "train.log")
     name = f"demo trainer {steps} steps {'f32 on CPU' if cpu else 'bf16 on the GPU'}"
     summary = run_dir / "summary.json"
     if failed or not summary.exists():
@@ -126,51 +182,64 @@ def _losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in map(json.loads, filter(None, lines))}
 
 
-def parity_rows(out: Path, cpu: bool, timeout: float) -> list[dict]:
-    """One process, then each layout of ``PARITY`` on simulated ranks sharing the device; per row the largest
-    relative loss difference over the steps, and whether the native groups ran on the staged path."""
+def parity_rows(run: Run) -> Iterator[dict]:
+    """One process, then each layout of ``PARITY`` on simulated ranks sharing the device; per row (as each is
+    known) the largest relative loss difference over the steps, and whether the native groups ran on the staged
+    path."""
+    out, cpu = run.out, run.cpu
     steps = PARITY_STEPS[cpu]
     common = [sys.executable, "-m", "bimetal.cli", "train", "--config", str(ROOT / "configs" / "demo.toml"),
               "--parallel.pp=1", "--parallel.layers_per_stage=[]", f"--training.steps={steps}",
               f"--training.dtype={'float32' if cpu else 'bfloat16'}", "--metrics.log_every=1", "--checkpoint.every=0",
               "--optim.warmup_steps=2", "--optim.lr=3e-3", *(["--data.seq_len=32"] if cpu else [])]
     single = out / "parity-single"
-    failed = step([*common, *SINGLE, f"--metrics.run_dir={single}"], cpu, out / "parity-single.log", timeout)
+    failed = run.step("parity-single", [*common, *SINGLE, f"--metrics.run_dir={single}"], out / "parity-single.log")
     ref = _losses(single)
     if failed or len(ref) != steps:
-        return [{"check": f"parity: {name}", "pass": False, "value": f"one-process reference: {failed or 'no losses'}"}
-                for name, _, _ in PARITY]
-    rows = []
+        yield from ({"check": f"parity: {name}", "pass": False,
+                     "value": f"one-process reference: {failed or 'no losses'}"} for name, _, _ in PARITY)
+        return
     for i, (name, simulate, layout) in enumerate(PARITY):
-        run = out / f"parity-{i}"
+        folder = out / f"parity-{i}"
         log = out / f"parity-{i}.log"
-        failed = step([*common, *layout, "--simulate", simulate, f"--metrics.run_dir={run}"], cpu, log, timeout)
-        got = _losses(run)
+        failed = run.step(f"parity-{i}", [*common, *layout, "--simulate", simulate, f"--metrics.run_dir={folder}"],
+                          log)
+        got = _losses(folder)
         if failed or len(got) != steps:
-            rows.append({"check": f"parity: {name}", "pass": False, "value": failed or f"{len(got)} of {steps} steps"})
+            yield {"check": f"parity: {name}", "pass": False, "value": failed or f"{len(got)} of {steps} steps"}
             continue
         worst = max(abs(got[k] - ref[k]) / abs(ref[k]) for k in ref)
         staged = "bimetal_sim_native (staged: device tensors)" in log.read_text(errors="replace")
         path = "on the staged path" if staged else "NOT staged"
-        rows.append({"check": f"parity: {name} ({simulate})", "pass": worst <= PARITY_RTOL[cpu] and staged,
-                     "value": f"max |loss - one process| / loss over {steps} steps {worst:.1e} (tol "
-                              f"{PARITY_RTOL[cpu]:g}); native groups {path}"})
-    return rows
+        yield {"check": f"parity: {name} ({simulate})", "pass": worst <= PARITY_RTOL[cpu] and staged,
+               "value": f"max |loss - one process| / loss over {steps} steps {worst:.1e} (tol {PARITY_RTOL[cpu]:g}); "
+                        f"native groups {path}"}
 
 
-def markdown(report: dict) -> str:
-    """The table as markdown, for the docs (``gpu_check.md``)."""
-    mark = {True: "pass", False: "FAIL", None: "info"}
-    out = [f"bimetal GPU check on {report['device']}, {report['date']}, {report['seconds']} s ({report['mode']} mode)",
-           "", "| check | result | rank 0 (nvidia) / rank 1 (amd) |", "|---|---|---|"]
-    out += [f"| {r['check']} | {mark[r['pass']]} | {r['value'].replace('|', '/')} |" for r in report["rows"]]
-    return "\n".join(out) + "\n"
+MARK = {True: "pass", False: "FAIL", None: "info"}
+
+
+def markdown_row(r: dict) -> str:
+    """One row of ``gpu_check.md``."""
+    return f"| {r['check']} | {MARK[r['pass']]} | {r['value'].replace('|', '/')} |\n"
 
 
 def table(rows: list[dict]) -> str:
     width = max(len(r["check"]) for r in rows)
-    mark = {True: "pass", False: "FAIL", None: "info"}
-    return "\n".join(f"{r['check']:<{width}}  {mark[r['pass']]:<4}  {r['value']}" for r in rows)
+    return "\n".join(f"{r['check']:<{width}}  {MARK[r['pass']]:<4}  {r['value']}" for r in rows)
+
+
+PARTS = ("transport", "trainer", "parity")
+
+
+def hang_rank(out: Path) -> None:
+    """``--hang-rank``: a rank that never ends (the check's test makes a step hang with it). It notes its pid and
+    that of a child in a session of its own (as a rank's helper process may be), and ignores SIGTERM."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"], start_new_session=True)
+    (out / f"hang-{os.environ.get('RANK', '0')}.pids").write_text(f"{os.getpid()} {child.pid}\n")
+    while True:
+        time.sleep(60)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -178,14 +247,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpu", action="store_true", help="CPU tensors, staging forced, small sizes (CI)")
     ap.add_argument("--out", default="", help="folder for gpu_check.json (default: a temporary folder)")
     ap.add_argument("--timeout", type=float, default=220.0,
-                    help="seconds each of the two steps may take before it is killed and reported (default 220)")
+                    help="seconds each step may take before it is ended and reported (default 220)")
+    ap.add_argument("--md", default="", help="where the markdown table goes, row by row (default OUT/gpu_check.md)")
+    ap.add_argument("--budget", type=float, default=0.0,
+                    help="seconds the whole check may take: a step gets --timeout or what is left, if less, and "
+                         "steps past the budget are rows that say so (default 0: no budget)")
+    ap.add_argument("--limits", default="", help="seconds per part where not --timeout, e.g. transport=150,parity=60")
+    ap.add_argument("--only", default=",".join(PARTS), help=f"which parts, of {','.join(PARTS)} (default all)")
+    ap.add_argument("--test-hang", default="", help=argparse.SUPPRESS)  # test only: this step's ranks hang
+    ap.add_argument("--hang-rank", default="", help=argparse.SUPPRESS)  # test only: the rank program it runs
     args = ap.parse_args(argv)
-    if args.timeout <= 0:
-        print(f"gpu_check: --timeout must be positive, not {args.timeout:g}", file=sys.stderr)
+    if args.hang_rank:
+        hang_rank(Path(args.hang_rank))
+    parts = [p.strip() for p in args.only.split(",") if p.strip()]
+    try:
+        limits = {k.strip(): float(v) for k, v in (item.split("=") for item in args.limits.split(",") if item)}
+    except ValueError:
+        limits = {"": -1.0}
+    if (args.timeout <= 0 or args.budget < 0 or not parts or set(parts) - set(PARTS) or set(limits) - set(PARTS)
+            or min(limits.values(), default=1) <= 0):
+        print(f"gpu_check: --timeout must be positive, --budget 0 or more, --only parts of {','.join(PARTS)} and "
+              f"--limits part=seconds (got {args.timeout:g}, {args.budget:g}, {args.only!r}, {args.limits!r})",
+              file=sys.stderr)
         return 2
     out = Path(args.out or tempfile.mkdtemp(prefix="bimetal-gpu-check-"))
     out.mkdir(parents=True, exist_ok=True)
-    t0 = time.monotonic()
     if not args.cpu:
         import torch
         if not torch.cuda.is_available():
@@ -194,16 +280,25 @@ def main(argv: list[str] | None = None) -> int:
         device = torch.cuda.get_device_name(0)
     else:
         device = "cpu (staging forced, copy double)"
-    rows = transport_rows(out, args.cpu, args.timeout) + [trainer_row(out, args.cpu, args.timeout)]
-    rows += parity_rows(out, args.cpu, args.timeout)
-    report = {"device": device, "date": time.strftime("%Y-%m-%d", time.gmtime()), "mode": "cpu" if args.cpu else "gpu",
-              "seconds": round(time.monotonic() - t0, 1), "rows": rows}
-    (out / "gpu_check.json").write_text(json.dumps(report, indent=1))
-    (out / "gpu_check.md").write_text(markdown(report))
-    print(f"bimetal GPU check on {device}, {report['date']}, {report['seconds']} s")
-    print(table(rows))
-    print(f"(JSON: {out / 'gpu_check.json'})")
-    return 0 if all(r["pass"] is not False for r in rows) else 1
+    run = Run(out, args.cpu, args.timeout, args.budget, args.test_hang, device, Path(args.md) if args.md else None,
+              limits)
+    print(f"bimetal GPU check on {device}, {run.report['date']} (rows as they finish)", flush=True)
+    stopped = ""
+    try:
+        if "transport" in parts:
+            run.add(transport_rows(run))
+        if "trainer" in parts:
+            run.add([trainer_row(run)])
+        if "parity" in parts:
+            for row in parity_rows(run):
+                run.add([row])
+    except Stopped as exc:  # a timeout around the whole check: the step's processes are ended, the rows kept
+        stopped = str(exc)
+        run.add([{"check": "the check", "pass": False, "value": f"{stopped} during a step; the rows above are "
+                                                                 "all it finished"}])
+    report = run.finish(stopped)
+    print(f"bimetal GPU check: {report['seconds']} s; table {run.md}, JSON {out / 'gpu_check.json'}")
+    return 0 if all(r["pass"] is not False for r in report["rows"]) else 1
 
 
 if __name__ == "__main__":

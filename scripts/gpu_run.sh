@@ -1,16 +1,21 @@
 #!/usr/bin/env bash
-# The GPU run (issue 31): the GPU check and the GPU ladder in one call on a machine with one GPU, each part under
-# its own time limit, about 6 minutes on one H100 (at most 9.5: every limit spent). Writes to $OUT (default
-# runs/gpu-run), at most 6 files, as the device tool brings back:
+# The GPU run (issue 31): the GPU check and the GPU ladder in one call on a machine with one GPU, about 6 minutes on
+# one H100. One budget for the whole call (BUDGET, default 570 s: a 590 s call less the tool's margin): the check
+# gets at most 240 s of it, each of its steps at most 90 s inside that, and writes each row as it finishes; the
+# ladder gets what is left (at most 300 s) less 15 s for the logs. A step that runs out of time is ended with
+# every process it started (bimetal.bench.steps), so nothing holds the GPU into the next step or the ladder.
+# Writes to $OUT (default runs/gpu-run), at most 6 files, as the device tool brings back:
 #   gpu_run.txt      what ran where: GPU, Python, torch, the bundle's libraries, each part's time and exit status
 #   gpu_check.md     the check's table (and gpu_check.json)
 #   gpu_ladder.md    the ladder's tables (and gpu_ladder.json)
 #   logs.tar.gz      every log and rank record of both parts
 # Python: $PYTHON, else .venv/bin/python when its torch sees a GPU, else python3 (the GPU machines' own, with
 # CUDA torch). bimetal runs from this checkout (PYTHONPATH). What that Python lacks comes from .gpu-bundle/
-# (scripts/gpu_bundle.sh makes it where PyPI is reachable): the wheels go to a temporary folder, the Mooncake
-# engine beside them, and of the bundled system libraries only those the engine cannot find go on the library path.
-# Usage: scripts/gpu_run.sh [both|check|ladder]
+# (scripts/gpu_bundle.sh makes it where PyPI is reachable; scripts/gpu_unpack.sh unpacks it): the wheels go to a
+# temporary folder, the Mooncake engine and its metadata beside them, and of the bundled system libraries only those
+# the engine cannot find go on the library path.
+# Usage: scripts/gpu_run.sh [both|check|ladder]   (GPU_CHECK_ARGS, GPU_LADDER_ARGS: more options for either part, as
+# tests/test_gpu_check.py rehearses the run on the CPU: "--cpu --only transport,trainer --test-hang transport")
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -20,6 +25,8 @@ OUT=${OUT:-$ROOT/runs/gpu-run}
 mkdir -p "$OUT"
 WORK=$(mktemp -d /tmp/bimetal-gpu-run.XXXXXX)
 T0=$(date +%s)
+BUDGET=${BUDGET:-570}
+left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
 REPORT="$OUT/gpu_run.txt"
 : > "$REPORT"
 say() { echo "[gpu_run $(( $(date +%s) - T0 )) s] $*" | tee -a "$REPORT"; }
@@ -34,29 +41,9 @@ if [ -z "$PY" ]; then
 fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 if [ -d .gpu-bundle ]; then
-  SITE=$WORK/site
-  LIBS=$WORK/libs
-  mkdir -p "$SITE" "$LIBS" "$WORK/debs"
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" .gpu-bundle/wheels/*.whl \
-    >>"$REPORT" 2>&1 || say "pip could not install the bundle's wheels (see above)"
-  tar xzf .gpu-bundle/mooncake.tgz -C "$SITE"
-  export PYTHONPATH="$ROOT:$SITE"
-  for deb in .gpu-bundle/debs/*.deb; do dpkg -x "$deb" "$WORK/debs"; done
-  # Only what the engine cannot find on this machine is linked in (ldd lists a library's own needs once it is
-  # found, so a few passes reach them).
-  for pass in 1 2 3 4 5; do
-    missing=$(LD_LIBRARY_PATH="$LIBS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" ldd "$SITE/mooncake/engine.so" 2>/dev/null \
-              | awk '/not found/ {print $1}')
-    [ -z "$missing" ] && break
-    for lib in $missing; do
-      found=$(find "$WORK/debs" .gpu-bundle/lib -name "$lib" \( -type f -o -type l \) 2>/dev/null | head -1)
-      [ -n "$found" ] && ln -sf "$(readlink -f "$found")" "$LIBS/$lib"
-    done
-  done
-  export LD_LIBRARY_PATH="$LIBS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-  say "bundle: linked in $(ls "$LIBS" | tr '\n' ' ')"
-  still=$(ldd "$SITE/mooncake/engine.so" 2>/dev/null | awk '/not found/ {print $1}' | tr '\n' ' ')
-  [ -n "$still" ] && say "the Mooncake engine still lacks: $still(device-direct rows will fail and say so)"
+  scripts/gpu_unpack.sh .gpu-bundle "$WORK" "$PY" "$ROOT" 2>&1 | tee -a "$REPORT"
+  # shellcheck disable=SC1091
+  source "$WORK/env.sh"
 else
   say "no .gpu-bundle: using what $PY has (scripts/gpu_bundle.sh makes the bundle)"
 fi
@@ -74,24 +61,37 @@ try:
     print(f"mooncake engine: {engine.__file__}")
 except Exception as exc:
     print(f"mooncake engine not importable: {type(exc).__name__}: {exc}")
+from bimetal.topology import versions
+print(f"engine distribution seen by the build check: {versions.local_versions()['engine'] or 'none'}")
 EOF
 } | tee -a "$REPORT"
 
 # --- the parts -------------------------------------------------------------------------------------------------
 rc=0
 if [ "$PART" != ladder ]; then
-  say "GPU check (limit 240 s; 90 s per step)"
-  timeout -k 10 240 "$PY" scripts/gpu_check.py --out "$WORK/check" --timeout 90 >"$WORK/check.txt" 2>&1
+  reserve=15  # the logs; with the ladder to come, its 240 s too
+  [ "$PART" = both ] && reserve=255
+  check_s=$(( $(left) - reserve ))
+  [ "$check_s" -gt 240 ] && check_s=240
+  say "GPU check (budget $check_s s; 90 s per step; rows in $OUT/gpu_check.md as they finish)"
+  # the table goes straight to $OUT, row by row, so a call cut short still brings back what was measured; the check
+  # ends itself within its budget, the outer limit is the backstop (SIGTERM: it ends its step and keeps its rows)
+  timeout -k 10 $(( check_s + 20 )) "$PY" scripts/gpu_check.py --out "$WORK/check" --md "$OUT/gpu_check.md" \
+    --timeout 90 --budget "$check_s" ${GPU_CHECK_ARGS:-} >"$WORK/check.txt" 2>&1
   code=$?
   say "GPU check exit status $code"
   [ $code -eq 0 ] || rc=1
-  cp "$WORK/check/gpu_check.json" "$WORK/check/gpu_check.md" "$OUT/" 2>/dev/null || say "the check wrote no table"
+  cp "$WORK/check/gpu_check.json" "$OUT/" 2>/dev/null || say "the check wrote no table"
   tail -n 40 "$WORK/check.txt"
+  held=$(nvidia-smi --query-compute-apps=pid,process_name --format=csv,noheader 2>/dev/null | tr '\n' ' ')
+  say "processes on the GPU after the check: ${held:-none}"
 fi
 if [ "$PART" != check ]; then
-  say "GPU ladder (limit 300 s)"
-  timeout -k 10 300 "$PY" -m bimetal.cli bench gpu-ladder --out "$WORK/ladder" --profile --timeout 280 \
-    >"$WORK/ladder.txt" 2>&1
+  ladder_s=$(( $(left) - 15 ))
+  [ "$ladder_s" -gt 300 ] && ladder_s=300
+  say "GPU ladder (limit $ladder_s s)"
+  timeout -k 10 "$ladder_s" "$PY" -m bimetal.cli bench gpu-ladder --out "$WORK/ladder" --profile \
+    --timeout $(( ladder_s - 20 )) ${GPU_LADDER_ARGS:-} >"$WORK/ladder.txt" 2>&1
   code=$?
   say "GPU ladder exit status $code"
   [ $code -eq 0 ] || rc=1
@@ -99,5 +99,6 @@ if [ "$PART" != check ]; then
   tail -n 60 "$WORK/ladder.txt"
 fi
 tar czf "$OUT/logs.tar.gz" -C "$WORK" --exclude=checkpoints --exclude=site --exclude=debs --exclude=libs . 2>/dev/null
+rm -rf "$WORK"  # everything worth keeping is in logs.tar.gz
 say "done, exit status $rc; files in $OUT: $(ls "$OUT" | tr '\n' ' ')"
 exit $rc

@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
+import sys
+import tarfile
+import time
 from pathlib import Path
 
 import pytest
@@ -58,16 +62,80 @@ def test_gpu_check_runs_end_to_end_in_cpu_mode(tmp_path: Path) -> None:
 
 
 def test_gpu_check_reports_a_step_that_outlives_its_timeout(tmp_path: Path) -> None:
-    """A hung step is killed with its ranks and becomes a failing row (the table still prints, exit 1); a bad
-    --timeout is refused with exit 2."""
+    """A hung step is killed with its ranks and becomes a failing row (the table still prints, exit 1); steps
+    past the whole budget are rows that say so; a bad --timeout is refused with exit 2."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    proc = subprocess.run([str(ROOT / "scripts" / "gpu_check.sh"), "--cpu", "--out", str(tmp_path), "--timeout", "1"],
-                          env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    proc = subprocess.run([str(ROOT / "scripts" / "gpu_check.sh"), "--cpu", "--out", str(tmp_path), "--timeout", "1",
+                           "--budget", "2.5"], env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     rows = json.loads((tmp_path / "gpu_check.json").read_text())["rows"]
     assert [r["pass"] for r in rows] == [False] * 6, rows  # transport, demo trainer, the four parity rows
-    assert all("timed out after 1 s" in r["value"] for r in rows), rows
-    assert (tmp_path / "transport.log").exists() and (tmp_path / "train.log").exists()
+    assert "timed out after 1 s" in rows[0]["value"], rows
+    assert all("timed out after" in r["value"] or "budget was spent" in r["value"] for r in rows), rows
+    assert "budget was spent" in rows[-1]["value"], rows
+    assert (tmp_path / "transport.log").exists()
     bad = subprocess.run([str(ROOT / "scripts" / "gpu_check.sh"), "--cpu", "--timeout", "0"], env=env,
                          capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert bad.returncode == 2 and "--timeout must be positive" in bad.stderr, bad.stderr
+
+
+def _gone(pid: int) -> bool:
+    """Not running: no such process, or a zombie (dead, holding nothing, its parent not yet reaped it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def _hung_pids(out: Path) -> list[int]:
+    return [int(p) for f in sorted(out.glob("hang-*.pids")) for p in f.read_text().split()]
+
+
+def test_a_hung_step_is_ended_whole_and_the_other_rows_are_written(tmp_path: Path) -> None:
+    """``scripts/gpu_run.sh check`` rehearsed on the CPU with ``--test-hang transport`` (test only): the transport
+    step's two ranks hang, each with a child in a session of its own, ignoring SIGTERM. The step is ended at its
+    limit with all four processes, the trainer's row is still measured, both rows are in ``$OUT/gpu_check.md`` as
+    they finished, and the run ends within its budget."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(OUT=str(tmp_path / "out"), PYTHON=sys.executable, BUDGET="150",
+               GPU_CHECK_ARGS="--cpu --only transport,trainer --test-hang transport --limits transport=20 "
+                              "--timeout 150")
+    t0 = time.monotonic()
+    proc = subprocess.run([str(ROOT / "scripts" / "gpu_run.sh"), "check"], env=env, capture_output=True, text=True,
+                          timeout=200, cwd=ROOT)
+    took = time.monotonic() - t0
+    assert proc.returncode == 1, proc.stdout + proc.stderr  # a failing row: the hung step
+    table = (tmp_path / "out/gpu_check.md").read_text()
+    assert "| transport checks ran | FAIL | timed out after 20 s" in table, table
+    assert "| demo trainer 8 steps f32 on CPU | pass | loss" in table, table
+    assert took < 150 + 15, took
+    with tarfile.open(tmp_path / "out/logs.tar.gz") as logs:
+        logs.extractall(tmp_path / "logs", filter="data")
+    pids = _hung_pids(tmp_path / "logs/check")
+    assert len(pids) == 4 and all(_gone(p) for p in pids), pids
+    assert "processes on the GPU after the check: none" in (tmp_path / "out/gpu_run.txt").read_text()
+
+
+def test_a_check_told_to_stop_ends_the_step_and_keeps_its_rows(tmp_path: Path) -> None:
+    """SIGTERM to the check (``timeout`` around the GPU run) while a step hangs: the step's processes end with it
+    and the table says why, within seconds."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--cpu", "--out", str(tmp_path),
+                             "--only", "trainer", "--test-hang", "trainer", "--timeout", "300"], env=env, cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        end = time.monotonic() + 90
+        while len(_hung_pids(tmp_path)) < 4 and time.monotonic() < end and proc.poll() is None:
+            time.sleep(0.2)
+        assert len(_hung_pids(tmp_path)) == 4, proc.stdout.read() if proc.poll() is not None else "no pids"
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert time.monotonic() - t0 < 20 and proc.returncode == 1, out
+    assert all(_gone(p) for p in _hung_pids(tmp_path))
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["complete"] is False and "stopped by SIGTERM" in report["rows"][-1]["value"], report
+    assert "Stopped (stopped by SIGTERM)" in (tmp_path / "gpu_check.md").read_text()

@@ -22,10 +22,11 @@ def _record(rank: int = 0, **changes) -> RankRecord:
 
 
 def test_round_trip_is_plain_json() -> None:
-    rec = _record(3)
+    rec = _record(3, gpu_pci="0000:18:00.0", nic_order=(("eth1", "same PCIe switch"), ("eth0", "same NUMA node")),
+                  rdma=("mlx5_3", "same PCIe switch"))
     text = rec.to_json()
     payload = json.loads(text)
-    assert payload["version"] == 2 and payload["nics"][1] == {"name": "eth1", "address": "10.0.1.1", "prefix": 24}
+    assert payload["version"] == 3 and payload["nics"][1] == {"name": "eth1", "address": "10.0.1.1", "prefix": 24}
     assert payload["bimetal"] and payload["torch"] and payload["wire"]["cpu-forward"] >= 1
     assert RankRecord.from_json(text, expected_rank=3) == rec
 
@@ -38,6 +39,8 @@ def test_round_trip_is_plain_json() -> None:
         (lambda p: p.update(memory_bytes=-1), "'memory_bytes'"),
         (lambda p: p.update(memory_bytes=True), "'memory_bytes'"),
         (lambda p: p.update(rank=5), "'rank' says 5"),
+        (lambda p: p.update(rdma=["mlx5_0"]), "'rdma' must be empty or [device, reason]"),
+        (lambda p: p.update(nic_order=[["eth0"]]), "'nic_order"),
         (lambda p: p.update(extra="x"), "'extra' is not a known field"),
         (lambda p: p.update(nics=[{"name": "eth0", "address": "10.0.0.1", "prefix": 33}]), "'nics[0].prefix'"),
         (lambda p: p.update(torch=""), "'torch'"),
@@ -142,7 +145,7 @@ def test_an_older_bimetals_record_is_refused_in_one_sentence() -> None:
     results = _exchange_all([_record(0).to_json(), json.dumps(old)], 2)
     assert all(isinstance(e, TopologyError) for e in results)
     assert {str(e) for e in results} == {"rank 1 published a version-1 topology record but this bimetal (0.1.0) reads "
-                                         "version 2: rank 1 runs an older bimetal; install one bimetal release on "
+                                         "version 3: rank 1 runs an older bimetal; install one bimetal release on "
                                          "every node."}
 
 

@@ -24,14 +24,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from bimetal.bench.gpu_ladder_report import CONFIGS, build, markdown
+from bimetal.bench.steps import Stopped, run_step
 from bimetal.errors import UserError
 
 GPU: dict[str, Any] = {"flavour": "llama3.2-1b-untied", "seq": 2048, "mb_size": 1, "microbatches": 16, "warmup": 2,
@@ -90,14 +89,12 @@ def launch(out: Path, s: dict[str, Any], cpu: bool, timeout: float) -> str | Non
     path.write_text(json.dumps(s, indent=1))
     cmd = [sys.executable, "-m", "bimetal.cli", "launch", "--simulate", "nvidia:1,amd:1", "--",
            "-m", "bimetal.bench.gpu_ladder_rank", str(path)]
-    with open(out / "ladder.log", "w") as log:
-        proc = subprocess.Popen(cmd, env=_env(cpu), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            rc = proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            return f"the ranks did not finish within {timeout:.0f} s (output: {out / 'ladder.log'})"
+    try:
+        rc = run_step(cmd, out / "ladder.log", timeout, env=_env(cpu))  # a hang: ended with every rank's process
+    except Stopped as exc:  # a timeout around the whole run: the ranks are ended, the rows they wrote kept
+        return f"{exc} while the ranks ran (output: {out / 'ladder.log'})"
+    if rc is None:
+        return f"the ranks did not finish within {timeout:.0f} s (output: {out / 'ladder.log'})"
     if rc == 0:
         return None
     lines = [ln for ln in (out / "ladder.log").read_text(errors="replace").splitlines() if ln.strip()]

@@ -5,8 +5,10 @@ Interface choice, first that applies:
 1. ``CpuForwardOptions.interfaces`` (or ``BIMETAL_CF_IFACES="eth0,eth1"``): stripe i binds to the i-th name;
 2. the node's candidates (``bimetal.topology.interfaces``: ``allowed_interfaces`` from ``parallel.interfaces``,
    else ``BIMETAL_IFACES``, else every up interface less loopback, bridges, tunnels and container networks),
-   narrowed at group creation to those sharing a subnet with the peers; local rank i starts at the i-th and
-   takes K consecutive ones (one NIC per GPU by default, all of them for a large stripe count).
+   narrowed at group creation to those sharing a subnet with the peers; a rank takes the one paired with its GPU
+   by the PCI topology first (``bimetal.topology.pci``: same PCIe switch, root complex, NUMA node), then the
+   next nearest, K in all; where sysfs shows no PCI topology, local rank i starts at the i-th and takes K
+   consecutive ones (one NIC per GPU by default, all of them for a large stripe count).
 The group's creator then proves every pair reaches the other on them (``bimetal.topology.reach``) before any
 Gloo context connects. Every stripe is a full ``ProcessGroupGloo`` of the group, built on its own prefix of the
 group store (``dist.new_group`` would ignore the device options, see DESIGN.md), bound to its interface; only a
@@ -24,7 +26,7 @@ import torch.distributed as dist
 from bimetal.env import read_flag, read_float, read_int, read_size
 from bimetal.errors import UserError
 from bimetal.topology import local_device
-from bimetal.topology.interfaces import candidate_nics, pick
+from bimetal.topology.interfaces import candidate_nics, pick, preference
 
 ENV_STRIPES = "BIMETAL_CF_STRIPES"
 ENV_IFACES = "BIMETAL_CF_IFACES"
@@ -88,7 +90,8 @@ def choose_interfaces(opts: CpuForwardOptions) -> list[str | None]:
     ``bimetal.topology.reach``, which also looks at the peers' subnets); ``None``: Gloo's default device."""
     if opts.interfaces:
         return list(opts.interfaces)
-    chosen = pick(candidate_nics(opts.allowed_interfaces), opts.local_rank or 0, opts.stripes)
+    candidates = candidate_nics(opts.allowed_interfaces)
+    chosen = pick(candidates, opts.local_rank or 0, opts.stripes, preference(candidates, opts.local_rank or 0))
     return [n.name for n in chosen] if chosen else [None] * opts.stripes
 
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from bimetal import env
 from bimetal.errors import UserError
-from bimetal.topology import local_device, store_exchange, versions
+from bimetal.topology import local_device, pci, store_exchange, versions
 from bimetal.topology.interfaces import candidate_nics, named_interfaces
 from bimetal.topology.records import ClusterView, RankRecord, TopologyError
 from bimetal.topology.vendor import detect_vendor, is_simulated
@@ -53,7 +53,8 @@ def host_identity() -> str:
 def local_record(rank: int, local_rank: int | None = None, interfaces: Sequence[str] | None = None) -> RankRecord:
     """This rank's record: vendor, device (``local_device.rank_device``) and memory from the runtime (or the
     simulation), candidate interfaces (``interfaces``: the config's list, else ``BIMETAL_IFACES``, else the
-    default) and software versions."""
+    default) with its order of preference and its RDMA device (``pci``: its GPU's NICs first), and software
+    versions."""
     if local_rank is None:
         local_rank = local_device.local_rank()
     vendor = detect_vendor(rank)
@@ -66,6 +67,7 @@ def local_record(rank: int, local_rank: int | None = None, interfaces: Sequence[
         index, device, memory = gpu.index or 0, props.name, int(props.total_memory)
     if is_simulated():
         device = f"{device} (shared, simulated {vendor})" if gpu.type == "cuda" else f"cpu (simulated {vendor})"
+    nics = candidate_nics(interfaces, host)
     return RankRecord(
         rank=rank,
         local_rank=local_rank,
@@ -73,13 +75,25 @@ def local_record(rank: int, local_rank: int | None = None, interfaces: Sequence[
         vendor=vendor,
         device=device,
         memory_bytes=memory,
-        nics=tuple(candidate_nics(interfaces, host)),
+        nics=tuple(nics),
         device_index=index,
         torch=mine["torch"],
         bimetal=mine["bimetal"],
         engine=mine["engine"],
         named=tuple(named_interfaces(interfaces)[0]),
+        gpu_pci=pci.rank_gpu() or "",
+        nic_order=tuple(pci.rank_order([n.name for n in nics], local_rank)),
+        rdma=rdma_choice(local_rank),
     )
+
+
+def rdma_choice(local_rank: int) -> tuple[str, ...]:
+    """The RDMA device device-direct's engine opens on this rank and why: the devices ``BIMETAL_DD_DEVICES``
+    names, else the one paired with the rank's GPU (``pci.rank_rdma``), else none (the engine opens every one)."""
+    named = env.read("BIMETAL_DD_DEVICES")
+    if named:
+        return (named, "explicit BIMETAL_DD_DEVICES")
+    return pci.rank_rdma(local_rank) or ()
 
 
 def exchange_topology(

@@ -14,9 +14,10 @@ Candidates of a node (``candidate_nics``), first that applies:
 
 Per group (``usable_toward``): of the candidates, the ones whose subnet holds an address of every peer on
 another node; when none does (a routed fabric: per-rail /31s, L3 between racks), all candidates, and the
-start-up probe (``reach``) is the judge. A rank takes ``pick(usable, local_rank, k)``: k consecutive ones
-starting at its local rank (one NIC per GPU). ``GLOO_SOCKET_IFNAME`` is torch's: it binds the world group (and
-any stock Gloo group), not bimetal's transports.
+start-up probe (``reach``) is the judge. A rank takes ``pick(usable, local_rank, k, prefer)``: the k it prefers,
+its GPU's NIC first by the PCI topology (``bimetal.topology.pci``: same PCIe switch, then root complex, then
+NUMA node), or k consecutive ones starting at its local rank where sysfs shows no PCI topology.
+``GLOO_SOCKET_IFNAME`` is torch's: it binds the world group (and any stock Gloo group), not bimetal's transports.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from pathlib import Path
 
 from bimetal import env
 from bimetal.errors import UserError
+from bimetal.topology import pci
 
 ENV_IFACES = "BIMETAL_IFACES"
 SYSFS = Path("/sys/class/net")
@@ -205,12 +207,23 @@ def usable_toward(mine: Sequence[NicInfo], peers: Sequence[Sequence[NicInfo]]) -
     return shared or list(mine)
 
 
-def pick(usable: Sequence[NicInfo], local_rank: int, count: int = 1) -> list[NicInfo]:
-    """``count`` interfaces for local rank ``local_rank``: consecutive ones from its own (one NIC per GPU)."""
+def pick(usable: Sequence[NicInfo], local_rank: int, count: int = 1, prefer: Sequence[str] = ()) -> list[NicInfo]:
+    """``count`` interfaces for local rank ``local_rank``: in the rank's order of preference ``prefer`` (names:
+    its GPU's NIC first, ``pci.ranked``) where it has one, else consecutive ones from its own (one NIC per GPU)."""
     if not usable:
         return []
     start = local_rank % len(usable)
-    return [usable[(start + i) % len(usable)] for i in range(count)]
+    order = [usable[(start + i) % len(usable)] for i in range(len(usable))]
+    if prefer:
+        at = {name: i for i, name in enumerate(prefer)}
+        order.sort(key=lambda n: at.get(n.name, len(at)))
+    return [order[i % len(order)] for i in range(count)]
+
+
+def preference(nics: Sequence[NicInfo], local_rank: int) -> list[str]:
+    """This rank's order of preference over ``nics`` (its candidates): nearest its GPU in the PCI topology first
+    (``bimetal.topology.pci``), by position where sysfs cannot say."""
+    return [name for name, _ in pci.rank_order([n.name for n in nics], local_rank)]
 
 
 def named_nics(names: Sequence[str], source: str = "BIMETAL_CF_IFACES", host: str = "") -> list[NicInfo]:

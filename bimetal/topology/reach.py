@@ -3,8 +3,8 @@
 A cross-vendor transport calls ``choose_and_confirm`` from its creator, over the group's own store:
 
 1. **agree**: each member publishes its candidate interfaces (``interfaces.candidate_nics``) with its host;
-   each takes the candidates that share a subnet with every member on another host, then its own
-   (``interfaces.usable_toward``, ``pick``);
+   each takes the candidates that share a subnet with every member on another host, then the one nearest its
+   GPU in the PCI topology (``interfaces.usable_toward``, ``pick``, ``pci``);
 2. **confirm**: each member listens on the addresses it took (port 0, one small TCP listener each), publishes
    them, and connects to every other member's, stripe by stripe, until the peer's listener answers with a
    token or the deadline (``BIMETAL_REACH_S``, 10 s by default) passes; then it publishes what it found and
@@ -33,7 +33,7 @@ from bimetal import env
 from bimetal.errors import UserError
 from bimetal.topology import store_exchange
 from bimetal.topology.exchange import host_identity
-from bimetal.topology.interfaces import NicInfo, pick, usable_toward
+from bimetal.topology.interfaces import NicInfo, pick, preference, usable_toward
 
 ENV_DEADLINE = "BIMETAL_REACH_S"
 DEFAULT_DEADLINE_S = 10.0
@@ -73,7 +73,7 @@ def agree(store: dist.Store, rank: int, size: int, find: Callable[[], list[NicIn
     if exact:
         return candidates
     peers = [_nics(m["nics"]) for p, m in enumerate(members) if p != rank and m["host"] != host]
-    return pick(usable_toward(candidates, peers), local_rank, count)
+    return pick(usable_toward(candidates, peers), local_rank, count, preference(candidates, local_rank))
 
 
 class _Listeners:

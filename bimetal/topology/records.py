@@ -23,8 +23,8 @@ from bimetal.topology.interfaces import NicInfo, local_nics, pick, unmatched, us
 from bimetal.topology.vendor import VENDORS
 from bimetal.version import __version__
 
-RECORD_VERSION = 2
-"""1: before device index, subnet prefixes and versions were carried."""
+RECORD_VERSION = 3
+"""1: before device index, subnet prefixes and versions were carried; 2: before the GPU-NIC pairing."""
 _MAX_NICS = 64
 _MAX_STR = 256
 __all__ = ["RECORD_VERSION", "ClusterView", "NicInfo", "RankRecord", "TopologyError", "format_rows", "local_nics"]
@@ -63,6 +63,14 @@ class RankRecord:
     """Protocol version of each of bimetal's transports."""
     named: tuple[str, ...] = ()
     """The interface names or patterns this rank was given (``parallel.interfaces``, else ``BIMETAL_IFACES``)."""
+    gpu_pci: str = ""
+    """PCI address of the rank's GPU (``0000:18:00.0``); empty: none, or the runtime does not say."""
+    nic_order: tuple[tuple[str, str], ...] = ()
+    """The rank's candidate interfaces (``nics``) in its order of preference, each with why: its GPU's NIC first
+    by the PCI topology (``bimetal.topology.pci``), or by position; empty: ``nics`` by position."""
+    rdma: tuple[str, ...] = ()
+    """The RDMA device device-direct's engine opens for this rank and why (``(name, reason)``); empty: every
+    device the engine finds (no PCI topology to pair by, or no RDMA device)."""
 
     def software(self) -> dict[str, object]:
         """The versions ``versions.mismatch`` compares."""
@@ -133,11 +141,14 @@ class RankRecord:
                 raise fail(f"nics[{i}].address", f"is not an IP address: {nic.address!r}") from None
             if not 0 <= nic.prefix <= full:
                 raise fail(f"nics[{i}].prefix", f"is {nic.prefix}, not a prefix length of 0 to {full}")
+        if len(wire.rdma) not in (0, 2):
+            raise fail("rdma", f"must be empty or [device, reason], got {wire.rdma!r}")
         return RankRecord(rank=wire.rank, local_rank=wire.local_rank, host=wire.host, vendor=wire.vendor,
                           device=wire.device, memory_bytes=wire.memory_bytes,
                           nics=tuple(NicInfo(n.name, n.address, n.prefix) for n in wire.nics),
                           device_index=wire.device_index, torch=wire.torch, bimetal=wire.bimetal,
-                          engine=wire.engine, wire=dict(wire.wire), named=tuple(wire.named))
+                          engine=wire.engine, wire=dict(wire.wire), named=tuple(wire.named), gpu_pci=wire.gpu_pci,
+                          nic_order=tuple((n, why) for n, why in wire.nic_order), rdma=tuple(wire.rdma))
 
 
 Count = Annotated[int, Field(ge=0)]
@@ -175,6 +186,9 @@ class RecordWire:
     engine: Annotated[str, Field(max_length=_MAX_STR)]
     wire: Annotated[dict[str, Count], Field(max_length=16)]
     named: Annotated[list[Text], Field(max_length=_MAX_NICS)]
+    gpu_pci: Annotated[str, Field(max_length=_MAX_STR)]
+    nic_order: Annotated[list[tuple[Text, Text]], Field(max_length=_MAX_NICS)]
+    rdma: Annotated[list[Text], Field(max_length=2)]
 
 
 class ClusterView:
@@ -250,18 +264,27 @@ class ClusterView:
         otherwise."""
         me = self.records[rank]
         peers = [r.nics for r in self.records if r.host != me.host]
-        return pick(usable_toward(me.nics, peers), me.local_rank, count)
+        return pick(usable_toward(me.nics, peers), me.local_rank, count, [name for name, _ in me.nic_order])
 
-    def format_table(self, stripes: int = 1, named: Sequence[str] = ()) -> str:
+    def nic_reason(self, rank: int, name: str) -> str:
+        """Why ``rank`` takes interface ``name`` where it prefers it (``same PCIe switch``, ``by position: ...``)."""
+        return dict(self.records[rank].nic_order).get(name, "by position")
+
+    def format_table(self, stripes: int = 1, named: Sequence[str] = (), named_by: str = "BIMETAL_CF_IFACES") -> str:
         """One row per rank; ``uses``: the interface(s) it takes for cross-node traffic (``stripes`` of them; the
-        ``named`` ones where cpu-forward's stripes are named, ``BIMETAL_CF_IFACES``)."""
-        rows = [("rank", "local", "host", "vendor", "gpu", "device", "memory", "uses", "nics")]
+        ``named`` ones where cpu-forward's stripes are named, ``named_by``) and ``why`` the first; ``rdma``: the
+        RDMA device device-direct's engine opens and why (``all``: every one it finds)."""
+        rows = [("rank", "local", "host", "vendor", "gpu", "device", "memory", "uses", "why", "rdma", "nics")]
         for r in self.records:
             mem = f"{r.memory_bytes / 2**30:.0f} GiB" if r.memory_bytes else "-"
             nics = " ".join(f"{n.name}={n.address}/{n.prefix}" for n in r.nics) or "-"
-            uses = ",".join(named or [n.name for n in self.chosen_nics(r.rank, stripes)]) or "-"
+            chosen = list(named) or [n.name for n in self.chosen_nics(r.rank, stripes)]
+            why = f"explicit {named_by}" if named else self.nic_reason(r.rank, chosen[0]) if chosen else "-"
             gpu = f"cuda:{r.device_index}" if r.device_index >= 0 else "cpu"
-            rows.append((str(r.rank), str(r.local_rank), r.host, r.vendor, gpu, r.device, mem, uses, nics))
+            gpu += f" ({r.gpu_pci})" if r.gpu_pci else ""
+            rdma = f"{r.rdma[0]} ({r.rdma[1]})" if len(r.rdma) == 2 else "all"
+            rows.append((str(r.rank), str(r.local_rank), r.host, r.vendor, gpu, r.device, mem, ",".join(chosen) or "-",
+                         why, rdma, nics))
         return format_rows(rows)
 
 

@@ -38,6 +38,7 @@ from bimetal.comm.device_direct.pg import DeviceDirectProcessGroup
 from bimetal.topology import local_device, store_exchange, versions
 from bimetal.topology.exchange import host_identity
 from bimetal.topology.interfaces import NicInfo, by_name, candidate_nics
+from bimetal.topology.pci import paired_rdma
 from bimetal.topology.reach import choose_and_confirm
 
 log = logging.getLogger(__name__)
@@ -57,7 +58,9 @@ def create_process_group(dist_backend_opts: Any, pg_options: Any) -> dist.Proces
     reason = ""
     try:
         protocol = choose_protocol(None if opts.protocol == "auto" else opts.protocol, opts.devices)
-        engine = open_engine(opts.host, protocol, opts.engine, opts.devices, opts.gid_index,
+        # devices named win; else the one paired with this rank's GPU by the PCI topology (pci.rank_rdma)
+        devices = opts.devices or paired_rdma(local_device.local_rank())
+        engine = open_engine(opts.host, protocol, opts.engine, devices, opts.gid_index,
                              remote_peers=any(h != hosts[rank] for h in hosts))
     except EngineUnavailableError as exc:
         reason = str(exc)

@@ -27,6 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bimetal.outputs import scratch_run_folder
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -85,7 +87,7 @@ def transport_rows(out: Path, cpu: bool, timeout: float) -> list[dict]:
 
 def trainer_row(out: Path, cpu: bool, timeout: float) -> dict:
     steps = 8 if cpu else 50
-    run_dir = out / "train"
+    run_dir = scratch_run_folder(out / "train")
     args = [sys.executable, "-m", "bimetal.cli", "train", "--config", str(ROOT / "configs" / "demo.toml"),
             "--simulate", "nvidia:1,amd:1", "--parallel.dp=1", f"--training.steps={steps}",
             f"--training.dtype={'float32' if cpu else 'bfloat16'}", f"--metrics.run_dir={run_dir}",
@@ -134,7 +136,7 @@ def parity_rows(out: Path, cpu: bool, timeout: float) -> list[dict]:
               "--parallel.pp=1", "--parallel.layers_per_stage=[]", f"--training.steps={steps}",
               f"--training.dtype={'float32' if cpu else 'bfloat16'}", "--metrics.log_every=1", "--checkpoint.every=0",
               "--optim.warmup_steps=2", "--optim.lr=3e-3", *(["--data.seq_len=32"] if cpu else [])]
-    single = out / "parity-single"
+    single = scratch_run_folder(out / "parity-single")
     failed = step([*common, *SINGLE, f"--metrics.run_dir={single}"], cpu, out / "parity-single.log", timeout)
     ref = _losses(single)
     if failed or len(ref) != steps:
@@ -142,7 +144,7 @@ def parity_rows(out: Path, cpu: bool, timeout: float) -> list[dict]:
                 for name, _, _ in PARITY]
     rows = []
     for i, (name, simulate, layout) in enumerate(PARITY):
-        run = out / f"parity-{i}"
+        run = scratch_run_folder(out / f"parity-{i}")
         log = out / f"parity-{i}.log"
         failed = step([*common, *layout, "--simulate", simulate, f"--metrics.run_dir={run}"], cpu, log, timeout)
         got = _losses(run)

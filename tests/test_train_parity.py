@@ -107,8 +107,8 @@ def _pipelined_run(row: int, tmp_path_factory: pytest.TempPathFactory) -> tuple[
             pytest.skip(f"transport {transport} not testable: {why}")
         run = tmp_path_factory.mktemp(f"pp-{IDS[row]}") / "run"
         layout = (f"--parallel.schedule={schedule}", *layout)
-        r = _train(run, f"--parallel.pp_transport={transport}", *layout, f"--checkpoint.export_hf={run.with_name('hf')}",
-                   simulate=True)
+        r = _train(run, f"--parallel.pp_transport={transport}", *layout,
+                   f"--checkpoint.export_hf={run.with_name('hf')}", simulate=True)
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
         _RUNS[IDS[row]] = (transport, run, r.stdout, layout)
     return _RUNS[IDS[row]]

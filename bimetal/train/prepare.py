@@ -159,12 +159,12 @@ def _check_export_place(cfg: TrainConfig) -> None:
         return os.path.realpath(os.path.expanduser(path))
 
     export = real(cfg.checkpoint.export_hf)
-    places = [("metrics.run_dir", cfg.metrics.run_dir, True), (_checkpoint_key(cfg), checkpoint_folder(cfg), True),
-              # a folder under the working directory is where exports usually go; the directory itself is not
-              ("the working directory", os.getcwd(), False)]
-    for key, folder, inside_too in places:
+    # A folder under the working directory is where exports usually go; the directory itself is not.
+    places = [(f"the working directory {os.getcwd()}", os.getcwd(), False),
+              (f"metrics.run_dir={cfg.metrics.run_dir!r}", cfg.metrics.run_dir, True),
+              (f"{_checkpoint_key(cfg)}={checkpoint_folder(cfg)!r}", checkpoint_folder(cfg), True)]
+    for shown, folder, inside_too in places:
         where = real(folder)
-        shown = where if key == "the working directory" else f"{key}={folder!r}"
         if export == where:
             how = f"is {shown}"
         elif where.startswith(export.rstrip(os.sep) + os.sep):

@@ -67,7 +67,8 @@ class ParallelConfig:
     pp_boundary_dtype: str = "compute"
     """dtype of the activations and gradients that cross pipeline stages (and of the last stage's logits the
     schedule holds): ``compute`` (bf16 when training in bf16, i.e. ``training.dtype`` bfloat16 or auto on a
-    GPU, else float32), or ``float32`` (twice the bytes; the residual stream is not rounded at a boundary)."""
+    GPU, else float32), or ``float32`` (twice the bytes; the residual stream is not rounded at a boundary).
+    It changes the losses: a resume that changes it is refused unless ``--resume-changed``."""
     dp_transport: str = transports.DEFAULT
     """Transport of data-parallel groups that span vendors (with ``allow_cross_vendor_dp``), as ``pp_transport``."""
     homogeneous_backend: str = "native"
@@ -172,7 +173,9 @@ class CheckpointConfig:
     every: int = 0
     """Save every N steps; 0 saves only at the end."""
     resume: bool = False
-    """Continue from the newest complete checkpoint (a damaged one is reported and the one before it used)."""
+    """Continue from the newest complete checkpoint (a damaged one is reported and the one before it used; where
+    the folder holds checkpoints but none is usable the run is refused, changing nothing). Without it a run is
+    refused where the checkpoint folder holds checkpoints: to start over, move them away or use another folder."""
     resume_changed: bool = False
     """With ``resume``: accept a config that changes what the checkpoint's loss trajectory depends on (model,
     data, batch, sequence length, seeds, optimizer, steps, precision; ``docs/training-safety.md`` lists them);
@@ -182,7 +185,8 @@ class CheckpointConfig:
     a fallback when the newest is damaged and one more, at three times one checkpoint's disk space."""
     export_hf: str = ""
     """If set, export the trained model as an HF safetensors folder here. The folder then holds this model
-    alone: an older export in it is replaced whole (written beside it, then moved into place)."""
+    alone: an older export in it is replaced whole (written beside it, then moved into place), so it must not
+    be, hold or lie in the run folder or the checkpoint folder, nor be or hold the working directory."""
     export_shard_bytes: int = 0
     """Largest safetensors file of the export, in bytes: 0 writes one ``model.safetensors``; more shards the
     weights as transformers does (``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json``;

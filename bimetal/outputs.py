@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -123,4 +124,13 @@ def write_text(path: str | Path, text: str) -> Path:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+    return p
+
+
+def scratch_run_folder(path: str | Path) -> Path:
+    """``path`` emptied for one training run a benchmark starts in a folder of its own naming: what an earlier
+    benchmark left there (its records, its final checkpoint) is that benchmark's scratch, and ``bimetal train``
+    refuses a run that is not a resume where checkpoints already are. Never for a folder the user named."""
+    p = Path(path)
+    shutil.rmtree(p, ignore_errors=True)
     return p

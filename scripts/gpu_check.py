@@ -36,6 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bimetal from this checkout
 
 from bimetal.bench.steps import Stopped, run_step  # noqa: E402
+from bimetal.outputs import scratch_run_folder  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -141,7 +142,7 @@ def transport_rows(run: Run) -> list[dict]:
 def trainer_row(run: Run) -> dict:
     out, cpu = run.out, run.cpu
     steps = 8 if cpu else 50
-    run_dir = out / "train"
+    run_dir = scratch_run_folder(out / "train")
     args = [sys.executable, "-m", "bimetal.cli", "train", "--config", str(ROOT / "configs" / "demo.toml"),
             "--simulate", "nvidia:1,amd:1", "--parallel.dp=1", f"--training.steps={steps}",
             f"--training.dtype={'float32' if cpu else 'bfloat16'}", f"--metrics.run_dir={run_dir}",
@@ -192,7 +193,7 @@ def parity_rows(run: Run) -> Iterator[dict]:
               "--parallel.pp=1", "--parallel.layers_per_stage=[]", f"--training.steps={steps}",
               f"--training.dtype={'float32' if cpu else 'bfloat16'}", "--metrics.log_every=1", "--checkpoint.every=0",
               "--optim.warmup_steps=2", "--optim.lr=3e-3", *(["--data.seq_len=32"] if cpu else [])]
-    single = out / "parity-single"
+    single = scratch_run_folder(out / "parity-single")
     failed = run.step("parity-single", [*common, *SINGLE, f"--metrics.run_dir={single}"], out / "parity-single.log")
     ref = _losses(single)
     if failed or len(ref) != steps:
@@ -200,7 +201,7 @@ def parity_rows(run: Run) -> Iterator[dict]:
                      "value": f"one-process reference: {failed or 'no losses'}"} for name, _, _ in PARITY)
         return
     for i, (name, simulate, layout) in enumerate(PARITY):
-        folder = out / f"parity-{i}"
+        folder = scratch_run_folder(out / f"parity-{i}")
         log = out / f"parity-{i}.log"
         failed = run.step(f"parity-{i}", [*common, *layout, "--simulate", simulate, f"--metrics.run_dir={folder}"],
                           log)

@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from launcher import bimetal, launch
 
 from bimetal.errors import UserError
@@ -50,15 +51,16 @@ def test_tp_that_does_not_divide_the_heads_is_refused_before_launch(tmp_path: Pa
 
 def test_resume_onto_another_tp_is_refused(tmp_path: Path) -> None:
     meta = {"family": "llama3", "flavour": "debug", "layers_per_stage": [3, 1], "dp": 1, "tp": 2}
-    (tmp_path / "meta.json").write_text(json.dumps(meta))
-    checkpoint.check_meta(tmp_path, meta)
+    path = checkpoint.save(tmp_path / "a", 1, {"x": {"w": torch.zeros(2)}}, {}, meta)
+    checkpoint.check_meta(path, meta)
     with pytest.raises(UserError, match=r"tp=2 but this run has tp=1"):
-        checkpoint.check_meta(tmp_path, {**meta, "tp": 1})
+        checkpoint.check_meta(path, {**meta, "tp": 1})
     # A checkpoint written before the tp key existed is a tp=1 checkpoint.
-    (tmp_path / "meta.json").write_text(json.dumps({k: v for k, v in meta.items() if k != "tp"}))
-    checkpoint.check_meta(tmp_path, {**meta, "tp": 1})
+    path = checkpoint.save(tmp_path / "b", 1, {"x": {"w": torch.zeros(2)}}, {},
+                           {k: v for k, v in meta.items() if k != "tp"})
+    checkpoint.check_meta(path, {**meta, "tp": 1})
     with pytest.raises(UserError, match=r"tp=1 but this run has tp=2"):
-        checkpoint.check_meta(tmp_path, meta)
+        checkpoint.check_meta(path, meta)
 
 
 def test_planner_writes_tp_plans_the_trainer_accepts(tmp_path: Path) -> None:

@@ -82,7 +82,7 @@ def test_damaged_newest_checkpoint_is_skipped_with_one_sentence(tmp_path: Path) 
     assert checkpoint.damage(tmp_path / "step-000010") is None
     shutil.rmtree(tmp_path / "step-000010")
     warnings.clear()
-    assert checkpoint.latest(tmp_path, warn=warnings.append) is None and "starts from step 0" in warnings[-1]
+    assert checkpoint.latest(tmp_path, warn=warnings.append) is None and "no intact checkpoint is left" in warnings[-1]
 
 
 def test_damage_that_keeps_sizes_is_one_sentence_at_load(tmp_path: Path) -> None:

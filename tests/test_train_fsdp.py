@@ -120,7 +120,7 @@ def fsdp_killed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     if (why := _transport_missing("cpu-forward")) is not None:
         pytest.skip(f"cpu-forward not testable: {why}")
     run = tmp_path_factory.mktemp("fsdp-cf") / "run"
-    r = _train(run, *FSDP, "--parallel.pp_transport=cpu-forward", f"--checkpoint.export_hf={run / 'hf'}",
+    r = _train(run, *FSDP, "--parallel.pp_transport=cpu-forward", f"--checkpoint.export_hf={run.with_name('hf')}",
                "--max-restarts=1", env={"BIMETAL_FAULT_KILL": "3:12"})
     return run, r.stdout + r.stderr
 
@@ -157,7 +157,7 @@ def test_fsdp_cpu_forward_matches_single_process_and_exports_gathered_shards(
     # The HF export all-gathered the shards of both stages: exactly the final checkpoint's weights.
     from bimetal.models import from_hf
 
-    exported = dict(from_hf(run / "hf").named_parameters())
+    exported = dict(from_hf(run.with_name("hf")).named_parameters())
     assert sorted(exported) == sorted(w_got) and all(torch.equal(exported[n], w_got[n]) for n in w_got)
 
 
@@ -237,7 +237,7 @@ def test_hsdp_pp2_replicate2_shard2_on_8_ranks(single: Path, fsdp_killed: tuple[
 def test_fsdp_composes_with_tensor_parallel_on_8_ranks(single: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     layout = ["--parallel.tp=2", "--parallel.dp_shard=2", "--training.steps=10"]
-    out = _train(run, *layout, f"--checkpoint.export_hf={run / 'hf'}", simulate="nvidia:4,amd:4").stdout
+    out = _train(run, *layout, f"--checkpoint.export_hf={run.with_name('hf')}", simulate="nvidia:4,amd:4").stdout
     table = out.split("bimetal FSDP mesh groups")[1]
     assert any(line.split()[:2] == ["dp.stage1.tp1", "5,7"] for line in table.splitlines()), table
     _assert_parity(single, run, steps=10)
@@ -246,7 +246,7 @@ def test_fsdp_composes_with_tensor_parallel_on_8_ranks(single: Path, tmp_path: P
     from bimetal.models import from_hf
 
     w_ref = _weights(single, step=10)
-    exported = {n: p.detach() for n, p in from_hf(run / "hf").named_parameters()}
+    exported = {n: p.detach() for n, p in from_hf(run.with_name("hf")).named_parameters()}
     assert sorted(exported) == sorted(w_ref)
     for name, t in w_ref.items():
         assert float((exported[name] - t).norm() / t.norm()) <= RTOL, name

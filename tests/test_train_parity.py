@@ -107,8 +107,8 @@ def _pipelined_run(row: int, tmp_path_factory: pytest.TempPathFactory) -> tuple[
             pytest.skip(f"transport {transport} not testable: {why}")
         run = tmp_path_factory.mktemp(f"pp-{IDS[row]}") / "run"
         layout = (f"--parallel.schedule={schedule}", *layout)
-        r = _train(run, f"--parallel.pp_transport={transport}", *layout, f"--checkpoint.export_hf={run / 'hf'}",
-                   simulate=True)
+        r = _train(run, f"--parallel.pp_transport={transport}", *layout,
+                   f"--checkpoint.export_hf={run.with_name('hf')}", simulate=True)
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
         _RUNS[IDS[row]] = (transport, run, r.stdout, layout)
     return _RUNS[IDS[row]]
@@ -141,7 +141,7 @@ def test_pipeline_matches_single_process(single: Path, pipelined: tuple[str, Pat
     # The HF export gathers both stages into one model: exactly the weights of the final checkpoint.
     from bimetal.models import from_hf
 
-    exported = dict(from_hf(run / "hf").named_parameters())
+    exported = dict(from_hf(run.with_name("hf")).named_parameters())
     assert sorted(exported) == sorted(w_got) and all(torch.equal(exported[n], w_got[n]) for n in w_got)
     summary = json.loads((run / "summary.json").read_text())
     payload = 20 * 2 * 4 * 2 * (2 * SEQ * 128 * 4)

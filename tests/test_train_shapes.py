@@ -67,7 +67,7 @@ def _run(name: str, factory: pytest.TempPathFactory) -> tuple[Path, str]:
         if (why := _transport_missing(transport)) is not None:
             pytest.skip(f"transport {transport} not testable: {why}")
         run = factory.mktemp(name) / "run"
-        r = _shaped(name, run, f"--checkpoint.export_hf={run / 'hf'}", kill=KILLED.get(name, ""))
+        r = _shaped(name, run, f"--checkpoint.export_hf={run.with_name('hf')}", kill=KILLED.get(name, ""))
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
         _RUNS[name] = (run, r.stdout + r.stderr)
     return _RUNS[name]
@@ -123,7 +123,7 @@ def test_stage_shapes_match_single_process(name: str, single: Path, tmp_path_fac
         assert float((w_got[n] - t).norm() / t.norm()) <= RTOL, n
     from bimetal.models import from_hf
 
-    exported = dict(from_hf(run / "hf").named_parameters())
+    exported = dict(from_hf(run.with_name("hf")).named_parameters())
     assert sorted(exported) == sorted(w_got) and all(torch.equal(exported[n], w_got[n]) for n in w_got)
     if name == "dp2-dp1-dp1":  # the group table shows each stage's shape and the boundary pairs
         assert "stage 0: nvidia dp=2 x tp=1 ranks [0, 1]" in stdout and "stage 2: amd dp=1 x tp=1 ranks [3]" in stdout

@@ -21,7 +21,7 @@ from typing import Any
 from bimetal.args import ArgumentParser
 from bimetal.errors import UserError
 from bimetal.lab.spec import LabSpec, load_spec
-from bimetal.outputs import check_folder
+from bimetal.outputs import check_folder, scratch_run_folder
 from bimetal.plan import cost
 from bimetal.plan.stagesplit import Rank, best_split, even_split, predict
 
@@ -38,6 +38,7 @@ def measure(lab_path: str, lab_id: str, config: str, overrides: list[str], split
     from bimetal.lab.cluster import LabCluster
 
     lab = load_spec(lab_path, lab_id)
+    scratch_run_folder(run_dir)
     argv = ["-m", "bimetal.train", "--config", config, *overrides, f"--parallel.pp={len(split)}", "--parallel.dp=1",
             f"--parallel.layers_per_stage=[{','.join(map(str, split))}]", f"--training.steps={steps}",
             "--checkpoint.every=0", f"--metrics.run_dir={run_dir}", f"--metrics.log_every={steps}",

@@ -32,6 +32,7 @@ from typing import Any
 from bimetal.bench.gpu_ladder_report import CONFIGS, build, markdown
 from bimetal.bench.steps import Stopped, run_step
 from bimetal.errors import UserError
+from bimetal.outputs import check_folder
 
 GPU: dict[str, Any] = {"flavour": "llama3.2-1b-untied", "seq": 2048, "mb_size": 1, "microbatches": 16, "warmup": 2,
                        "steps": 4, "rounds": 3, "lr": 3e-4, "dtype": "bfloat16", "threads": 4, "timeout_s": 300,
@@ -124,6 +125,7 @@ def main(argv: list[str]) -> int:
     if args.timeout < 0:
         raise UserError(f"--timeout must be positive, not {args.timeout:g}")
     timeout = args.timeout or (150.0 if args.cpu else 330.0)
+    check_folder("--out", args.out)  # before the minutes of the ladder
     if not args.cpu:
         import torch
 

@@ -31,7 +31,7 @@ from bimetal.errors import UserError
 from bimetal.lab.cgroup import RANK_ENV
 from bimetal.lab.cluster import LabCluster
 from bimetal.lab.spec import parse_spec
-from bimetal.outputs import check_folder
+from bimetal.outputs import check_folder, scratch_run_folder
 
 _log = logging.getLogger(__name__)
 
@@ -64,6 +64,7 @@ def run_rung(rung: Rung, args: argparse.Namespace, run_dir: Path) -> dict[str, A
                                "latency_ms": args.latency_ms},
                        "node": [{"name": "n0", "vendor": rung.vendors[0], "ranks": 2},
                                 {"name": "n1", "vendor": rung.vendors[1], "ranks": 2}]}, source="<ladder>")
+    scratch_run_folder(run_dir)
     argv = ["-m", "bimetal.train", "--config", args.config, f"--training.steps={args.steps}",
             f"--metrics.run_dir={run_dir}", "--checkpoint.every=0", f"--metrics.log_every={args.steps}",
             "--parallel.pp=2", "--parallel.dp=2", *rung.overrides]

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from bimetal.config import TrainConfig
 from bimetal.errors import UserError
+from bimetal.outputs import check_file, write_text
 from bimetal.plan.sbatch import Component, SbatchJob, islands, rank_ranges, render
 from bimetal.plan.spec import ClusterSpec, load_spec
 from bimetal.topology.slurm import Island, check_allocation, read_job
@@ -107,6 +108,8 @@ def main(argv: list[str]) -> int:
         raise UserError(f"--cpus-per-task {a.cpus_per_task} must be at least 1.")
     if a.master_port is not None and not 0 < a.master_port < 65536:
         raise UserError(f"--master-port {a.master_port} is not a TCP port; give one from 1 to 65535.")
+    if a.out:
+        check_file("--out", a.out)  # before the spec and config are read: the one output, checked first
     cwd = Path.cwd()
     if a.titan:
         if a.config:
@@ -170,8 +173,7 @@ def main(argv: list[str]) -> int:
     if not a.out:
         sys.stdout.write(text)
         return 0
-    out = Path(a.out)
-    out.write_text(text)
+    out = write_text(a.out, text)  # whole: beside it, then renamed over it
     out.chmod(out.stat().st_mode | 0o111)
     print(f"bimetal slurm: {len(comps)} component(s) ({group_order}) written to {out}; submit with: sbatch {out}")
     return 0

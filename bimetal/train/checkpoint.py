@@ -8,10 +8,13 @@ bimetal network path unpickles anything; the only traffic here is tensor barrier
 ``COMPLETE`` is a half-written save and is never loaded; ``COMPLETE`` lists every file with its size, so a
 checkpoint damaged afterwards (a file cut short or lost) is recognised before loading and skipped for the one
 before it; the marker also holds each file's CRC-32 (a writer sums its own part), so a file changed in place is
-found too when the ranks pick the checkpoint to resume from (``agree_latest``): whichever file is damaged, the
-run resumes from the checkpoint before it. The folder's files without torch: ``bimetal.train.ckpt_files``.
-``prune`` keeps the newest ``checkpoint.keep_last``. Everything is written into ``.tmp-step-N`` first and
-renamed once all ranks are done, so a crash leaves at most a temp folder that the next save replaces.
+found too when the ranks pick the checkpoint to resume from (``agree_latest``, the same reading of the folder as
+the check before ranks start, ``bimetal.train.ckpt_files.scan``): whichever file is damaged, the run resumes from
+the checkpoint before it, and where none is usable it stops, changing nothing. The folder's files without torch:
+``bimetal.train.ckpt_files``. ``prune`` keeps the newest ``checkpoint.keep_last`` intact ones and never deletes
+a damaged one. Everything is written into ``.tmp-step-N`` first and renamed once all ranks are done, so a crash
+leaves at most a temp folder that the next save replaces; a step folder already there (one the resume passed
+over) is set aside as ``step-N.damaged``, never replaced.
 Per-rank state that is not a tensor (data position, RNG) goes into ``extra-rank<R>.json``: JSON, not pickle.
 A tensor-parallel stage is saved as whole tensors (its tp ranks gather each ``DTensor``, tp rank 0 writes)
 and each rank loads only its own slices; ``meta.json`` records tp, and a resume onto another tp is refused
@@ -38,10 +41,23 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.tensor import DTensor
 
 from bimetal.errors import UserError
-from bimetal.train.ckpt_files import MARKER, check_meta, complete, crc32, damage, latest, manifest, prune, skipped_note
+from bimetal.train.ckpt_files import (
+    MARKER,
+    Scan,
+    check_meta,
+    crc32,
+    damage,
+    latest,
+    manifest,
+    prune,
+    scan,
+    set_aside,
+)
 
-__all__ = ["MARKER", "agree_latest", "apply_training_state", "check_meta", "damage", "latest", "load", "prune",
-           "rng_state", "save", "set_rng_state", "training_state"]
+__all__ = ["MARKER", "Scan", "agree_latest", "apply_training_state", "check_meta", "damage", "latest", "load",
+           "prune", "rng_state", "save", "set_rng_state", "training_state"]
+_log = logging.getLogger(__name__)
+_WHY_BYTES = 512  # the reason a rank found a checkpoint damaged, sent to the others as UTF-8 (cut to this)
 
 
 def training_state(model: nn.Module, opt: torch.optim.Optimizer, stage: int) -> dict[str, Any]:
@@ -120,38 +136,43 @@ def save(folder: str | Path, step: int, state: dict[str, Any], extra: dict[str, 
             sums.update(json.loads(f.read_text()))
             f.unlink()
         body = manifest(tmp, sums)
-        shutil.rmtree(final, ignore_errors=True)
+        aside = set_aside(final)  # passed over by the resume: kept for the user, never replaced
+        if aside is not None:
+            _log.warning("checkpoint %s was passed over when this run resumed; kept as %s, step %d saved anew.",
+                         final, aside.name, step)
         tmp.rename(final)
         (final / MARKER).write_text(json.dumps({"step": step, **body}))
     _barrier(group)
     return final
 
 
-def agree_latest(folder: str | Path, rank: int, reads: Callable[[str], bool], warn: Callable[[str], None],
-                 group: dist.ProcessGroup | None = None) -> Path | None:
-    """The newest checkpoint under ``folder`` that every rank can use, or None; every rank calls this.
+def agree_latest(folder: str | Path, rank: int, reads: Callable[[str], bool],
+                 group: dist.ProcessGroup | None = None) -> Scan:
+    """The reading of ``folder`` every rank shares (``ckpt_files.scan``); every rank calls this.
 
     Each rank checks the whole checkpoint's marker, sizes and JSON files, and reads the files it will load
     (``reads`` selects them by name) against their checksums; the ranks then agree (a MIN over the world) on
-    the newest checkpoint none found damaged. A checkpoint passed over is named once, by the lowest rank that
-    found it damaged, with its reason.
+    each verdict: a checkpoint any rank found damaged is passed over by all, with the reason of the lowest rank
+    that found it (sent to every rank), so every rank holds the same ``Scan``.
     """
     world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
-    mine: list[tuple[Path, str]] = []
-    found = None
-    for path in reversed(complete(Path(folder))):
-        why = damage(path, verify=reads)
+
+    def agree(path: Path, why: str | None) -> str | None:
+        if world == 1:
+            return why
         first = torch.tensor([rank if why else world], dtype=torch.int64)
-        if world > 1:
-            dist.all_reduce(first, op=dist.ReduceOp.MIN, group=group)
+        dist.all_reduce(first, op=dist.ReduceOp.MIN, group=group)
         if int(first) == world:
-            found = path
-            break
+            return None
+        text = torch.zeros(_WHY_BYTES, dtype=torch.uint8)
         if int(first) == rank and why:
-            mine.append((path, why))
-    for path, why in mine:
-        warn(skipped_note(path, why, found))
-    return found
+            raw = why.encode()[:_WHY_BYTES]
+            text[:len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+        src = int(first) if group is None else dist.get_global_rank(group, int(first))
+        dist.broadcast(text, src=src, group=group)
+        return bytes(text.tolist()).rstrip(b"\0").decode(errors="replace")
+
+    return scan(folder, reads, agree)
 
 
 def load(path: Path, state: dict[str, Any], rank: int, shard: str = "stage0") -> dict[str, Any]:

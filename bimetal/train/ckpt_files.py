@@ -4,8 +4,18 @@ checkpoint, pruning, and what a resume must keep.
 ``COMPLETE`` (written last) lists every file of the checkpoint with its size and, for checkpoints written since
 it was added, its CRC-32. ``damage`` says why a checkpoint cannot be used - its marker unreadable, a file
 missing or cut short, a JSON file that is not what was written, a file whose contents changed - so every kind
-of damage, whichever file holds it, leads to the same place: the checkpoint before it (``latest``; in a job,
-``bimetal.train.trainer`` lets every rank check the files it reads and takes the newest all ranks can use).
+of damage, whichever file holds it, leads to the same place: the checkpoint before it.
+
+``scan`` is the one reading of a checkpoint folder, used by the check before ranks start (``bimetal.train.prepare``,
+which reads every file) and by the ranks (``bimetal.train.checkpoint.agree_latest``, each rank the files it loads,
+the ranks agreeing on each verdict): the newest usable checkpoint and every folder passed over on the way, with
+why. What a checkpoint records of its run (``meta.json``) is read only through the same checks (``saved_meta``),
+so a ``meta.json`` changed in place is a damaged checkpoint, never a changed config.
+
+Nothing here deletes or replaces a checkpoint the run did not supersede itself: a resume that finds no usable
+checkpoint among the ones there is refused (``Scan.refusal``), a run that is not a resume is refused where
+checkpoints already are (``check_fresh``), a save whose step folder is already taken by one passed over sets
+that one aside (``set_aside``) instead of replacing it, and ``prune`` removes intact checkpoints only.
 
 ``run_meta`` is what ``meta.json`` records of the config: the layout (a resume onto another one is refused: the
 per-rank state belongs to the old ranks) and the settings the loss trajectory depends on (``TRAJECTORY``), which
@@ -20,6 +30,7 @@ import os
 import shutil
 import zlib
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,12 +44,13 @@ TRAJECTORY = ("model.seed", "data.path", "data.tokenizer", "data.bin_dtype", "da
               "data.global_batch_size",
               "parallel.microbatches", "optim.grad_accum", "optim.lr", "optim.weight_decay", "optim.beta1",
               "optim.beta2", "optim.eps", "optim.warmup_steps", "optim.min_lr_ratio", "optim.grad_clip",
-              "training.steps", "training.seed", "training.dtype")
+              "training.steps", "training.seed", "training.dtype", "parallel.pp_boundary_dtype")
 """Config keys the loss trajectory of a run depends on: which tokens each step reads (data, batch, sequence
 length, accumulation, data seed), what the model computes with them (initial weights' seed, precision, the
-microbatch split's rounding) and how the weights move (optimizer, and ``training.steps``, which sets the
-learning-rate schedule). Everything else (transports, schedule kind, activation checkpointing, timeouts,
-checkpoint and metrics settings) leaves the trajectory as it is and may change on a resume."""
+microbatch split's rounding, the precision of what crosses a pipeline boundary) and how the weights move
+(optimizer, and ``training.steps``, which sets the learning-rate schedule). Everything else (transports,
+schedule kind, activation checkpointing, timeouts, checkpoint and metrics settings) leaves the trajectory as it
+is and may change on a resume."""
 # Keys added after checkpoints without them were written: their value in those checkpoints.
 _META_DEFAULTS: dict[str, Any] = {"tp": 1, "dp_shard": 1, "stage_shapes": None}
 _CHUNK = 4 << 20
@@ -105,12 +117,17 @@ def _json_problem(path: Path, name: str) -> str | None:
     return None if isinstance(data, dict) else f"{name} is not a JSON object"
 
 
+def _is_json(name: str) -> bool:
+    return name == "meta.json" or (name.startswith("extra-rank") and name.endswith(".json"))
+
+
 def damage(path: Path, verify: bool | Callable[[str], bool] = False) -> str | None:
     """Why the complete checkpoint ``path`` cannot be used, or None if it can.
 
-    Always: the marker, every listed file's presence and size, and the JSON files' contents (small). The
-    files ``verify`` selects (all with True) are also read whole against their CRC-32. A checkpoint from
-    before the manifest existed (a marker with the step only) is checked for its JSON files alone.
+    Always: the marker, every listed file's presence and size, and the JSON files (small): their contents and
+    their CRC-32, so a ``meta.json`` changed in place is damage wherever it is read. The other files ``verify``
+    selects (all with True) are also read whole against their CRC-32. A checkpoint from before the manifest
+    existed (a marker with the step only) is checked for its JSON files alone.
     """
     marker = _marker(path)
     if marker is None:
@@ -124,13 +141,13 @@ def damage(path: Path, verify: bool | Callable[[str], bool] = False) -> str | No
             return f"{name} has {f.stat().st_size} bytes, {size} were written"
     names = list(files) or [f.name for f in path.iterdir() if f.is_file()]
     for name in names:
-        if name == "meta.json" or (name.startswith("extra-rank") and name.endswith(".json")):
+        if _is_json(name):
             why = _json_problem(path, name)
             if why:
                 return why
     sums: dict[str, int] = marker.get("crc32", {})
     for name, crc in sums.items():
-        if (verify is True or (callable(verify) and verify(name))) and crc32(path / name) != crc:
+        if (_is_json(name) or verify is True or (callable(verify) and verify(name))) and crc32(path / name) != crc:
             return f"{name} is not what was written: its checksum differs"
     return None
 
@@ -147,61 +164,141 @@ def complete(root: Path) -> list[Path]:
     return [p for _, p in _steps(root) if (p / MARKER).is_file()]
 
 
+def held(root: str | Path) -> list[Path]:
+    """Everything under ``root`` that is a checkpoint or was one: every ``step-*`` entry (complete, unfinished,
+    damaged, or set aside by ``set_aside``), by name. ``.tmp-step-*`` folders are not: a save that did not reach
+    its rename holds no marker and no manifest, and the next save of its step replaces it."""
+    root = Path(root)
+    return sorted(root.glob("step-*")) if root.is_dir() else []
+
+
+UNFINISHED = f"it has no {MARKER} marker: its save did not finish"
+ASIDE = ".damaged"
+
+
+@dataclass
+class Scan:
+    """What one reading of a checkpoint folder found (``scan``)."""
+
+    folder: Path
+    found: Path | None = None
+    """The newest checkpoint that passed every check, or None."""
+    passed: list[tuple[Path, str]] = field(default_factory=list)
+    """Step folders newer than ``found`` (all of them without one), newest first, each with why it was passed over."""
+    aside: list[Path] = field(default_factory=list)
+    """Folders a save set aside earlier (``step-N.damaged``): kept for the user, never read."""
+
+    def notes(self) -> list[str]:
+        """One sentence for each folder passed over on the way to ``found``."""
+        return [skipped_note(path, why, self.found) for path, why in self.passed]
+
+    def refusal(self, who: str = "--resume") -> str | None:
+        """The sentence that refuses a resume (``who``) which found no usable checkpoint among the ones in the
+        folder; None where it found one, or where the folder holds none (a resume then starts from step 0)."""
+        if self.found is not None or not (self.passed or self.aside):
+            return None
+        what = [f"{p.name}: {why}" for p, why in self.passed]
+        what += [f"{p.name}: set aside as damaged by an earlier run" for p in self.aside]
+        return (f"{who} found no usable checkpoint in {self.folder} ({'; '.join(what)}); nothing was changed: "
+                "repair one, or move them away (or set checkpoint.folder to another folder) to start from step 0.")
+
+
+def scan(folder: str | Path, verify: bool | Callable[[str], bool] = False,
+         agree: Callable[[Path, str | None], str | None] | None = None) -> Scan:
+    """The one reading of a checkpoint folder: its step folders newest first, each read with ``damage`` (the files
+    ``verify`` selects against their checksums) until one can be used.
+
+    ``agree`` turns this process's verdict on a folder into the verdict every reader shares (the ranks of a job
+    agree on each one, ``bimetal.train.checkpoint.agree_latest``); left out, the verdict is this process's own.
+    A step folder without the marker is passed over as unfinished.
+    """
+    root = Path(folder)
+    out = Scan(root, aside=[p for p in held(root) if not p.name[5:].isdigit()])
+    for _, path in reversed(_steps(root)):
+        why = damage(path, verify) if (path / MARKER).is_file() else UNFINISHED
+        if agree is not None:
+            why = agree(path, why)
+        if why is None:
+            out.found = path
+            break
+        out.passed.append((path, why))
+    return out
+
+
 def skipped_note(path: Path, why: str, instead: Path | None) -> str:
     """The one sentence for a damaged checkpoint passed over."""
-    then = f"resuming from {instead.name} instead" if instead else \
-        "no intact checkpoint is left, so the run starts from step 0"
+    then = f"resuming from {instead.name} instead" if instead else "no intact checkpoint is left"
     return f"checkpoint {path} is damaged ({why}); {then}."
 
 
 def latest(folder: str | Path, warn: Callable[[str], None] | None = None,
            verify: bool | Callable[[str], bool] = False) -> Path | None:
-    """The newest complete and intact checkpoint under ``folder``, or None.
+    """The newest complete and intact checkpoint under ``folder``, or None (``scan``, by this process alone).
 
     A newer one that is damaged is skipped in favour of the one before it; ``warn`` gets one sentence for it.
     """
-    skipped: list[tuple[Path, str]] = []
-    found = None
-    for path in reversed(complete(Path(folder))):
-        why = damage(path, verify)
-        if why is None:
-            found = path
-            break
-        skipped.append((path, why))
+    found = scan(folder, verify)
     if warn is not None:
-        for path, why in skipped:
-            warn(skipped_note(path, why, found))
-    return found
+        for note in found.notes():
+            warn(note)
+    return found.found
+
+
+def check_fresh(folder: str | Path, key: str) -> None:
+    """Refuse a run that is not a resume where the checkpoint folder ``folder`` (the setting ``key``) holds
+    checkpoints: its saves would replace them and pruning delete them."""
+    there = held(folder)
+    if there:
+        names = ", ".join(p.name for p in there[:4]) + (f" and {len(there) - 4} more" if len(there) > 4 else "")
+        raise UserError(f"{key}={str(folder)!r} already holds checkpoints ({names}), which this run would replace; "
+                        "add --resume to continue from them, or move them away (or set checkpoint.folder to another "
+                        "folder) to start from step 0.")
+
+
+def set_aside(final: Path) -> Path | None:
+    """Move the folder a save is about to take (one a resume passed over as damaged or unfinished) to
+    ``step-N.damaged`` (``-2``, ``-3``... if taken), so no save replaces it; returns where it went, or None."""
+    if not final.exists():
+        return None
+    target, n = final.with_name(final.name + ASIDE), 1
+    while target.exists():
+        n += 1
+        target = final.with_name(f"{final.name}{ASIDE}-{n}")
+    final.rename(target)
+    return target
 
 
 def prune(folder: str | Path, keep_last: int) -> list[Path]:
-    """Delete checkpoints older than the newest ``keep_last`` intact ones (0 keeps all); returns what went.
+    """Delete intact checkpoints older than the newest ``keep_last`` intact ones (0 keeps all); returns what went.
 
-    Half-written and damaged folders older than the oldest kept checkpoint go too; newer ones stay.
+    A damaged or unfinished folder is never deleted: it may be the only copy of its step, repairable by hand.
     """
     if keep_last <= 0:
         return []
     root = Path(folder)
-    intact = [p for p in reversed(complete(root)) if damage(p) is None][:keep_last]
-    if len(intact) < keep_last:
-        return []
-    folders = [p for _, p in _steps(root)]
-    gone = folders[:folders.index(intact[-1])]
+    intact = [p for p in reversed(complete(root)) if damage(p) is None]
+    gone = intact[keep_last:][::-1]
     for p in gone:
         shutil.rmtree(p, ignore_errors=True)
     return gone
+
+
+def saved_meta(path: Path) -> dict[str, Any]:
+    """The ``meta.json`` of the checkpoint ``path``, read through its checks (``damage``): ``UserError`` for a
+    checkpoint whose marker, sizes or JSON files are not what was written."""
+    why = damage(path)
+    if why is not None:
+        raise UserError(f"checkpoint {path} is damaged ({why}); move it away to resume from the one before.")
+    saved = json.loads((path / "meta.json").read_text())
+    assert isinstance(saved, dict)  # damage() checked that it is a JSON object
+    return saved
 
 
 def check_meta(path: Path, meta: dict[str, Any], accept_changes: bool = False,
                note: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Refuse (``UserError``) a resume from ``path`` by a run of ``meta`` that has another layout, or changed
     settings of its trajectory unless ``accept_changes`` (then ``note`` gets one sentence listing them)."""
-    try:
-        saved = json.loads((path / "meta.json").read_text())
-    except (OSError, ValueError):
-        saved = None
-    if not isinstance(saved, dict):
-        raise UserError(f"checkpoint {path} has no readable meta.json; move it away to resume from the one before.")
+    saved = saved_meta(path)
     for key in LAYOUT:
         was, now = saved.get(key, _META_DEFAULTS.get(key)), meta.get(key, _META_DEFAULTS.get(key))
         if was != now:

@@ -4,10 +4,11 @@
 when the command line gives none, and runs every check that needs no process group: options that need another,
 the environment (a GPU asked for and absent), the layout against the simulated world, the stage split, tp
 against the model, the transports, the model and tokenizer, the data, every output folder (run folder,
-checkpoint folder, export folder: ``bimetal.outputs``) and, on a resume, the checkpoint against the config
-(``bimetal.train.ckpt_files``). ``bimetal train`` then starts the ranks or trains; ``--dry-run`` prints its
-memory report of the same config. So no command passes the dry-run and is refused by the run before a rank
-starts, or the other way round.
+checkpoint folder, export folder: ``bimetal.outputs``; an export folder that holds or lies in the run's folders)
+and the checkpoint folder (``bimetal.train.ckpt_files``): on a resume the checkpoint against the config, read as
+the ranks read it, and a refusal where none is usable; otherwise a refusal where checkpoints already are.
+``bimetal train`` then starts the ranks or trains; ``--dry-run`` prints its memory report of the same config.
+So no command passes the dry-run and is refused by the run before a rank starts, or the other way round.
 
 One difference is by design: a dry-run without ``--simulate`` of a layout of several ranks describes a torchrun
 job, whose ranks run elsewhere. It checks everything above but the files those ranks read and write on their
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 from bimetal.config import TrainConfig, blame_file, load_config, parse_overrides, parse_value
 from bimetal.env import check_environment, check_needs, unknown_warning
 from bimetal.errors import UserError
+from bimetal.faults import first_attempt
 from bimetal.outputs import check_folder
 from bimetal.supervisor import REPORT_ENV
 from bimetal.topology.vendor import is_simulated, parse_simulate
@@ -146,32 +148,72 @@ def checkpoint_folder(cfg: TrainConfig) -> str:
     return cfg.checkpoint.folder or os.path.join(cfg.metrics.run_dir, "checkpoints")
 
 
+def _checkpoint_key(cfg: TrainConfig) -> str:
+    return "checkpoint.folder" if cfg.checkpoint.folder else "checkpoint.folder (default <run_dir>/checkpoints)"
+
+
+def _check_export_place(cfg: TrainConfig) -> None:
+    """Refuse an export folder that is, holds or lies in a folder the run works in: the export replaces its folder
+    whole (``bimetal.models.hf_write``), which would take the run's records or checkpoints with it."""
+    def real(path: str) -> str:
+        return os.path.realpath(os.path.expanduser(path))
+
+    export = real(cfg.checkpoint.export_hf)
+    # A folder under the working directory is where exports usually go; the directory itself is not.
+    places = [(f"the working directory {os.getcwd()}", os.getcwd(), False),
+              (f"metrics.run_dir={cfg.metrics.run_dir!r}", cfg.metrics.run_dir, True),
+              (f"{_checkpoint_key(cfg)}={checkpoint_folder(cfg)!r}", checkpoint_folder(cfg), True)]
+    for shown, folder, inside_too in places:
+        where = real(folder)
+        if export == where:
+            how = f"is {shown}"
+        elif where.startswith(export.rstrip(os.sep) + os.sep):
+            how = f"holds {shown}"
+        elif inside_too and export.startswith(where.rstrip(os.sep) + os.sep):
+            how = f"lies inside {shown}"
+        else:
+            continue
+        raise UserError(f"checkpoint.export_hf={cfg.checkpoint.export_hf!r} {how}; an export replaces its folder "
+                        "whole, which would take what the run writes there with it: export to a folder of its own, "
+                        "outside the run's folders.")
+
+
 def check_outputs(cfg: TrainConfig) -> None:
-    """Every folder the run writes can be created and written (and the export folder holds no other weights);
-    run before any rank starts and again by each rank, before step 1. Writes nothing."""
+    """Every folder the run writes can be created and written (and the export folder holds no other weights and
+    none of the run's folders); run before any rank starts and again by each rank, before step 1. Writes
+    nothing."""
     from bimetal.models.hf_write import check_export
 
     if not cfg.metrics.run_dir.strip():
         raise UserError("metrics.run_dir is empty; give the folder the run writes its metrics to.")
     check_folder("metrics.run_dir", cfg.metrics.run_dir)
-    check_folder("checkpoint.folder" if cfg.checkpoint.folder else "checkpoint.folder (default <run_dir>/checkpoints)",
-                 checkpoint_folder(cfg))
+    check_folder(_checkpoint_key(cfg), checkpoint_folder(cfg))
     if cfg.checkpoint.export_hf:
+        _check_export_place(cfg)
         check_export("checkpoint.export_hf", cfg.checkpoint.export_hf)
 
 
-def check_resume(cfg: TrainConfig) -> None:
-    """On a resume: the newest usable checkpoint against the config (layout, and the settings its trajectory
-    depends on unless ``checkpoint.resume_changed``). The ranks check the one they pick again."""
-    if not cfg.checkpoint.resume:
-        return
-    from bimetal.models import flavour_args
-    from bimetal.train.ckpt_files import check_meta, latest, run_meta
+def check_checkpoints(cfg: TrainConfig) -> None:
+    """What the checkpoint folder holds against what the run will do with it. A run that is not a resume: no
+    checkpoints there (its saves would replace them). A resume: the newest usable checkpoint, read as the ranks
+    read it (``ckpt_files.scan``, here every file against its checksum) and checked against the config (layout,
+    and the settings its trajectory depends on unless ``checkpoint.resume_changed``); where the folder holds
+    checkpoints but none is usable, refused, naming each and why. The ranks read the folder again."""
+    from bimetal.train.ckpt_files import check_fresh, check_meta, run_meta, scan
 
-    path = latest(checkpoint_folder(cfg))
-    if path is not None:
+    folder = checkpoint_folder(cfg)
+    if not cfg.checkpoint.resume:
+        check_fresh(folder, _checkpoint_key(cfg))
+        return
+    found = scan(folder, verify=True)
+    refusal = found.refusal()
+    if refusal is not None:
+        raise UserError(refusal)
+    if found.found is not None:
+        from bimetal.models import flavour_args
+
         layers = flavour_args(cfg.model.family, cfg.model.flavour).n_layers
-        check_meta(path, run_meta(cfg, cfg.stage_split(layers)), cfg.checkpoint.resume_changed)
+        check_meta(found.found, run_meta(cfg, cfg.stage_split(layers)), cfg.checkpoint.resume_changed)
 
 
 def prepare(ns: argparse.Namespace, rest: list[str]) -> Job:
@@ -205,6 +247,10 @@ def _checked(ns: argparse.Namespace, cfg: TrainConfig, vendors: list[str], in_ra
     if in_rank:
         check_world(cfg, int(os.environ.get("WORLD_SIZE", "1")))
         check_outputs(cfg)  # this rank's view of the folders (another node's disks under torchrun)
+        if not cfg.checkpoint.resume and first_attempt():  # a restarted rank resumes by itself
+            from bimetal.train.ckpt_files import check_fresh
+
+            check_fresh(checkpoint_folder(cfg), _checkpoint_key(cfg))
         return Job(cfg, vendors)
     check_model(cfg, tokenizer=False)  # the model and its stage split: the config alone
     if vendors:
@@ -223,5 +269,5 @@ def _checked(ns: argparse.Namespace, cfg: TrainConfig, vendors: list[str], in_ra
     if local:  # the ranks run here: what they read and write is checked here
         check_data(cfg)
         check_outputs(cfg)
-        check_resume(cfg)
+        check_checkpoints(cfg)
     return Job(cfg, vendors, auto, note, local)

@@ -308,11 +308,20 @@ def _run(cfg: TrainConfig, ctx: Any, smesh: Any, models: Any, args: Any, split: 
     # A rank restarted by torchrun (--max-restarts) resumes by itself: it loses at most one interval.
     resume = cfg.checkpoint.resume or not faults.first_attempt()
     # Each rank reads its own part, its extra and the meta back against their checksums; all take the newest
-    # checkpoint no rank found damaged.
+    # checkpoint no rank found damaged. Where none is usable among the ones there, every rank stops: starting
+    # from step 0 would replace them and pruning delete them.
     reads = lambda name: name in ("meta.json", f"extra-rank{rank}.json") or name.startswith(part + "/")  # noqa: E731
-    path = checkpoint.agree_latest(folder, rank, reads, _warn) if resume else None
+    found = checkpoint.agree_latest(folder, rank, reads) if resume else None
+    path = found.found if found is not None else None
+    if found is not None:
+        refusal = found.refusal("--resume" if cfg.checkpoint.resume else "the restarted run's resume")
+        if refusal is not None:
+            raise UserError(refusal)
+        if rank == 0:
+            for note in found.notes():
+                _warn(note)
     if resume and path is None and rank == 0:
-        print(f"no complete checkpoint in {folder}; starting from step 0", flush=True)
+        print(f"no checkpoint in {folder}; starting from step 0", flush=True)
     if path is not None:
         checkpoint.check_meta(path, meta, cfg.checkpoint.resume_changed, note=_warn if rank == 0 else None)
         state = checkpoint.training_state(model, opt, stage)

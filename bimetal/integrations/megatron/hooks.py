@@ -4,6 +4,9 @@
   name, at call time); the hook gives each the back-end ``groups.MegatronGroups`` chooses;
 * ``parallel_state.initialize_model_parallel``: a layout Megatron refuses before making any group ends in one
   sentence, and rank 0 prints the group table once the groups exist;
+* ``parallel_state.destroy_model_parallel``: Megatron forgets its groups but leaves them open; the hook destroys
+  the ones it made, so a script that runs several layouts in turn does not pile up open transports (sockets,
+  engines) from the layouts before;
 * ``p2p_communication._p2p_ops`` (``batch_p2p_comm=False``): with a pipeline group of two ranks Megatron sends one
   direction over the world group unless the group's back-end is ``ucc``, to overlap two NCCL communicators. The
   world cannot carry cross-vendor device tensors natively, so bimetal's version keeps both directions on the
@@ -32,6 +35,7 @@ from bimetal.integrations.megatron.groups import MegatronGroups
 CHECKED = ("0.16.",)
 """megatron-core releases whose hooked functions were read and tested (0.16.1 is the newest on Python 3.11)."""
 HOOKED = ("parallel_state.create_group", "parallel_state.initialize_model_parallel",
+          "parallel_state.destroy_model_parallel",
           "pipeline_parallel.p2p_communication._p2p_ops", "pipeline_parallel.p2p_communication._batched_p2p_ops")
 
 
@@ -63,7 +67,7 @@ def check_release() -> str:
 
 
 def install(chooser: MegatronGroups) -> None:
-    """Hook the four functions (see the module docstring). Raises ``UserError`` when Megatron's groups exist."""
+    """Hook the five functions (see the module docstring). Raises ``UserError`` when Megatron's groups exist."""
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import p2p_communication
 
@@ -72,20 +76,34 @@ def install(chooser: MegatronGroups) -> None:
                         "back-ends; call bimetal.integrations.megatron.initialize() before it")
     create = parallel_state.create_group
     initialize = parallel_state.initialize_model_parallel
-    made = [0]
+    destroy = parallel_state.destroy_model_parallel
+    made: list[Any] = []
+    created = [0]  # groups made so far (a layout refusal comes before the first of its call)
 
     def create_group(ranks: Any = None, timeout: Any = None, backend: Any = None, pg_options: Any = None,
                      use_local_synchronization: bool = False, group_desc: Any = None) -> Any:
         chosen = chooser.choose(ranks, backend, group_desc)
-        made[0] += 1
-        return create(ranks, timeout=timeout, backend=chosen, pg_options=pg_options if chosen == backend else None,
-                      use_local_synchronization=use_local_synchronization, group_desc=group_desc)
+        created[0] += 1
+        group = create(ranks, timeout=timeout, backend=chosen, pg_options=pg_options if chosen == backend else None,
+                       use_local_synchronization=use_local_synchronization, group_desc=group_desc)
+        if backend != "gloo":  # Megatron destroys its own Gloo groups in destroy_model_parallel
+            made.append(group)
+        return group
+
+    def destroy_model_parallel(*args: Any, **kwargs: Any) -> Any:
+        out = destroy(*args, **kwargs)
+        for group in made:
+            if group is not None and group is not dist.GroupMember.NON_GROUP_MEMBER:
+                dist.destroy_process_group(group)
+        made.clear()
+        return out
 
     def initialize_model_parallel(*args: Any, **kwargs: Any) -> Any:
+        before = created[0]
         try:
             out = initialize(*args, **kwargs)
         except (RuntimeError, AssertionError) as exc:
-            if made[0]:
+            if created[0] > before:
                 raise  # after groups were made: not a layout refusal
             raise UserError(f"megatron-core refused the layout ({exc or type(exc).__name__}) for a world of "
                             f"{dist.get_world_size()} ranks; choose sizes whose product divides it") from None
@@ -95,6 +113,7 @@ def install(chooser: MegatronGroups) -> None:
 
     parallel_state.create_group = create_group
     parallel_state.initialize_model_parallel = initialize_model_parallel
+    parallel_state.destroy_model_parallel = destroy_model_parallel
     p2p_communication._p2p_ops = p2p_ops
     p2p_communication._batched_p2p_ops = batched_p2p_ops
 

@@ -32,11 +32,16 @@ def _group_of(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return None
 
 
-def _peer_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
+def _peer_of(group: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
+    """The peer's global rank: ``dst``/``src`` (global), or ``group_dst``/``group_src`` (``batch_isend_irecv`` passes
+    those), or the second positional argument."""
     for key in ("dst", "src"):
-        if key in kwargs:
+        if kwargs.get(key) is not None:
             return int(kwargs[key])
-    return int(args[1]) if len(args) > 1 else None
+    for key in ("group_dst", "group_src"):
+        if kwargs.get(key) is not None:
+            return dist.get_global_rank(group, int(kwargs[key]))
+    return int(args[1]) if len(args) > 1 and args[1] is not None else None
 
 
 class OpCounter:
@@ -52,7 +57,7 @@ class OpCounter:
             group = _group_of(name, args, kwargs) or dist.group.WORLD
             ranks = tuple(dist.get_process_group_ranks(group))
             desc = "WORLD" if group is dist.group.WORLD else (getattr(group, "group_desc", "") or "?")
-            peer = _peer_of(args, kwargs) if name in P2P else None
+            peer = _peer_of(group, args, kwargs) if name in P2P else None
             self.counts[(desc, ranks, str(dist.get_backend(group)), name, peer)] += 1
             return func(*args, **kwargs)
 

@@ -15,9 +15,10 @@ reported (``outdated``), so a stand-in that is no longer needed is noticed rathe
   keeps CUDA generator states; the stand-in tracker keeps CPU generator states;
 * **synchronize**: ``batch_p2p_comm`` with ``batch_p2p_sync`` calls ``torch.cuda.synchronize()``; a no-op on CPU.
 
-Newer releases than the pinned one also create a CUDA stream in DDP's grad sync and import ``triton`` under the
-MoE paged stash; 0.16.1 does neither on the paths used here, so they have no stand-in (``outdated`` would not
-notice their absence; a run that needs them fails with CUDA's own error).
+Newer releases than the pinned one also use CUDA streams in DDP's grad sync (0.19.2:
+``torch.cuda.current_stream()`` in ``param_and_grad_buffer``) and import ``triton`` under the MoE paged stash; 0.16.1
+does neither on the paths used here, so they have no stand-in yet (a run that needs one fails with CUDA's own
+error; ``hooks.CHECKED`` refuses those releases until they are checked).
 """
 
 from __future__ import annotations

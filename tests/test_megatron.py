@@ -179,8 +179,8 @@ def _one_sentence(proc: Any, *needles: str) -> None:
 
 @pytest.mark.parametrize("package, needle", [
     ({"megatron/__init__.py": ""}, "megatron-core is not installed"),
-    ({"megatron/__init__.py": "", "megatron/core/__init__.py": "",
-      "megatron/core/package_info.py": "__version__ = '0.12.0'\n"}, "megatron-core 0.12.0 is not a release"),
+    ({"megatron_core-0.12.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: megatron-core\nVersion: 0.12.0\n"},
+     "megatron-core 0.12.0 is not a release"),
 ])
 def test_missing_or_unsupported_megatron(tmp_path: Path, package: dict[str, str], needle: str) -> None:
     for name, text in package.items():
@@ -191,6 +191,11 @@ def test_missing_or_unsupported_megatron(tmp_path: Path, package: dict[str, str]
     proc = bimetal("megatron", "--simulate", "nvidia:1,amd:1", "--", "scripts/megatron_gpt.py", "--pp", "2",
                    env=env, timeout=60)
     _one_sentence(proc, needle)
+
+
+def test_without_simulate_or_a_launcher() -> None:
+    proc = bimetal("megatron", "--", "scripts/megatron_gpt.py", timeout=60)
+    _one_sentence(proc, "RANK is not set")
 
 
 @pytest.mark.timeout(120)

@@ -44,7 +44,10 @@ _chooser: Any = None
 
 def available() -> bool:
     """Whether megatron-core is installed."""
-    return importlib.util.find_spec("megatron.core") is not None if importlib.util.find_spec("megatron") else False
+    try:
+        return importlib.util.find_spec("megatron.core") is not None
+    except ModuleNotFoundError:  # no top-level megatron package
+        return False
 
 
 def initialize(transport: str | None = None, all_gloo: bool | None = None, timeout_s: float = 600.0) -> None:
@@ -90,11 +93,6 @@ def _start(settings: Settings, timeout_s: float) -> None:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         for line in cpu_support.install():
             print(line, file=sys.stderr, flush=True)
-    from megatron.core import parallel_state
-
-    if parallel_state.model_parallel_is_initialized():  # before the world is touched: say it once, plainly
-        raise UserError("initialize_model_parallel already ran, so Megatron's groups were made without bimetal's "
-                        "back-ends; call bimetal.integrations.megatron.initialize() before it")
     view = start_world(settings.all_gloo, timedelta(seconds=timeout_s))
     chooser = MegatronGroups([view.vendor_of(r) for r in range(view.world_size)], settings.transport,
                              simulated=is_simulated(), all_gloo=settings.all_gloo)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import runpy
 import sys
 from pathlib import Path
@@ -53,6 +54,9 @@ def main(argv: list[str]) -> int:
     if opts.all_gloo and not (opts.simulate or is_simulated()):
         raise UserError("--all-gloo is a reference for simulated runs; it needs --simulate")
     if not opts.simulate:
+        if not any(v in os.environ for v in ("RANK", "SLURM_PROCID")):
+            raise UserError("without --simulate this is one rank of a job started by torchrun or srun, but RANK is "
+                            "not set; add --simulate (e.g. nvidia:1,amd:1) or start it with torchrun")
         return run_rank(script, args, opts.transport, opts.all_gloo)
     from bimetal.integrations.megatron.hooks import check_release
     from bimetal.launch import launch
@@ -63,7 +67,7 @@ def main(argv: list[str]) -> int:
         vendors = parse_simulate(opts.simulate)
     except ValueError as exc:
         raise UserError(str(exc)) from None
-    check_release()  # here once, before any rank starts
+    check_release(functions=False)  # the version here once, before any rank starts; each rank checks the rest
     rank_argv = ["-m", "bimetal.integrations.megatron", f"--transport={opts.transport}"]
     if opts.all_gloo:
         rank_argv.append("--all-gloo")

@@ -40,17 +40,29 @@ HOOKED = ("parallel_state.create_group", "parallel_state.initialize_model_parall
 
 
 def megatron_version() -> str:
-    """The installed megatron-core's version; ``UserError`` if it is missing."""
+    """The installed megatron-core's version, read from its package metadata (importing megatron.core costs seconds;
+    a source checkout without metadata answers through ``package_info``); ``UserError`` if it is missing."""
+    import importlib.metadata
+    import importlib.util
+
     try:
+        found = importlib.util.find_spec("megatron.core") is not None
+    except ModuleNotFoundError:
+        found = False
+    if not found:
+        raise UserError("megatron-core is not installed; install bimetal's [megatron] extra "
+                        "(pip install 'megatron-core==0.16.1')")
+    try:
+        return importlib.metadata.version("megatron-core")
+    except importlib.metadata.PackageNotFoundError:
         from megatron.core import package_info
-    except ImportError as exc:
-        raise UserError(f"megatron-core is not installed ({exc}); install bimetal's [megatron] extra "
-                        "(pip install 'megatron-core==0.16.1')") from None
-    return str(package_info.__version__)
+
+        return str(package_info.__version__)
 
 
-def check_release() -> str:
-    """The installed release, if bimetal supports it (``CHECKED``) and every hooked function is there."""
+def check_release(functions: bool = True) -> str:
+    """The installed release, if bimetal supports it (``CHECKED``) and (``functions``) every hooked function is
+    there; ``functions=False`` reads the version only (the launcher, before any rank imports megatron-core)."""
     version = megatron_version()
     if not version.startswith(CHECKED):
         raise UserError(f"megatron-core {version} is not a release bimetal was checked against "
@@ -58,7 +70,7 @@ def check_release() -> str:
                         "(bimetal's [megatron] extra)")
     import importlib
 
-    for where in HOOKED:
+    for where in HOOKED if functions else ():
         module, name = where.rsplit(".", 1)
         if not hasattr(importlib.import_module(f"megatron.core.{module}"), name):
             raise UserError(f"megatron-core {version} has no {where}, which bimetal hooks; install "

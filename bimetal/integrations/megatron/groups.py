@@ -65,5 +65,10 @@ class MegatronGroups:
             self.made.append(GroupSpec(name, label, ranks, vendors, classify(vendors), str(backend)))
         return backend
 
+    def begin(self) -> None:
+        """A new ``initialize_model_parallel``: its groups are numbered and tabled afresh."""
+        self.made.clear()
+        self._seen.clear()
+
     def table(self) -> str:
         return format_group_table(self.made)

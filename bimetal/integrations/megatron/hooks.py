@@ -112,6 +112,7 @@ def install(chooser: MegatronGroups) -> None:
 
     def initialize_model_parallel(*args: Any, **kwargs: Any) -> Any:
         before = created[0]
+        chooser.begin()
         try:
             out = initialize(*args, **kwargs)
         except (RuntimeError, AssertionError) as exc:

@@ -40,6 +40,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tied", action="store_true", help="share the embedding with the output layer")
     p.add_argument("--dist-opt", action="store_true", help="Megatron's distributed optimizer")
     p.add_argument("--batch-p2p", action="store_true", help="batch_p2p_comm=True (batched pipeline sends/receives)")
+    p.add_argument("--transport", choices=("cpu-forward", "device-direct"),
+                   help="of groups that span vendors (default cpu-forward, or bimetal megatron's --transport)")
     p.add_argument("--report", help="write this rank's losses (and op counts) as JSON here")
     p.add_argument("--count-ops", action="store_true", help="count the operations of every process group")
     return p.parse_args(argv)
@@ -89,7 +91,7 @@ def build_model(args: argparse.Namespace, config: Any) -> list[torch.nn.Module]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    bimetal_megatron.initialize()  # the one line: before Megatron builds its groups
+    bimetal_megatron.initialize(transport=args.transport)  # the one line: before Megatron builds its groups
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads

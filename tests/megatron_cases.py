@@ -3,7 +3,8 @@ per process), each trained on every back-end asked for, in turn.
 
     bimetal megatron --simulate nvidia:1,amd:1 -- tests/megatron_cases.py OUT MODES CASE=ARGS [CASE=ARGS ...]
 
-MODES: comma-separated ``all-gloo``, ``cpu-forward``, ``device-direct``. Each (case, mode) runs
+MODES: comma-separated ``all-gloo``, ``cpu-forward``, ``device-direct``; a case named ``NAME@MODES`` runs on
+those of its own (a subset). Each (case, mode) runs
 ``scripts/megatron_gpt.py``'s ``main`` with the case's arguments, writing ``OUT/<case>.<mode>.rank<r>.json``
 (losses and the operations every group carried). A two-rank job then checks how each back-end matches two
 same-shaped messages to one peer posted in one batch (the pattern of pp=2 with the interleaved schedule), writing
@@ -29,7 +30,8 @@ def main(argv: list[str]) -> int:
     out, modes, cases = argv[0], argv[1].split(","), [c.split("=", 1) for c in argv[2:]]
     bimetal_megatron.initialize()
     for name, args in cases:
-        for mode in modes:
+        name, _, own = name.partition("@")
+        for mode in [m for m in modes if not own or m in own.split("+")]:
             if mode == "all-gloo":
                 bimetal_megatron.use(all_gloo=True)
             else:

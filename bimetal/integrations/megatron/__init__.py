@@ -133,9 +133,6 @@ def use(transport: str | None = None, all_gloo: bool | None = None) -> None:
 
 
 def _refuse(message: str) -> None:
-    """One sentence (to bimetal's launcher when it started this rank, else stderr) and exit status 2."""
-    from bimetal.supervisor import report_outcome
+    from bimetal.integrations.megatron.hooks import refuse
 
-    if not report_outcome(2, message):
-        print(f"bimetal megatron: {message}", file=sys.stderr, flush=True)
-    raise SystemExit(2)
+    refuse(message)

@@ -8,7 +8,9 @@ group_desc=...)``. Each is classified by its ranks' vendors (``bimetal.integrati
   instance, data-parallel groups alike, whatever Megatron calls them;
 * ``gloo`` (Megatron's CPU-side groups: ``DATA_PARALLEL_GROUP_GLOO`` ...) stays Gloo: it carries CPU tensors, which
   Gloo moves between any two hosts;
-* any other back-end asked for (``ucc``) is kept inside one vendor and refused across vendors, in one sentence.
+* any other back-end asked for (``ucc``) is kept inside one vendor and refused across vendors, in one sentence;
+* device-direct has no coalesced reduce-scatter or all-reduce, which Megatron's DDP and distributed optimizer use on
+  the data-parallel groups: a data-parallel group that spans vendors is refused on it (cpu-forward carries it).
 
 Pure Python: it records what it chose as ``GroupSpec`` rows for ``bimetal topo``'s group table.
 """
@@ -21,8 +23,11 @@ from dataclasses import dataclass, field
 from bimetal.errors import UserError
 from bimetal.integrations.common import group_backend
 from bimetal.parallel.groups import GroupSpec, classify, format_group_table
-from bimetal.transports import BIMETAL, TRANSPORTS
+from bimetal.transports import BIMETAL, DEVICE_DIRECT, TRANSPORTS
 
+DATA_PARALLEL = ("DATA_PARALLEL_GROUP", "EXPERT_DATA_PARALLEL_GROUP", "INTRA_PARTIAL_DATA_PARALLEL_GROUP",
+                 "INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP")
+"""Megatron's descriptions of the groups its DDP reduces gradients over (``*_GLOO`` ones are Gloo's: not chosen)."""
 CHOSEN = (None, "nccl")
 """Back-ends Megatron asks for that bimetal decides instead (nccl cannot span vendors; None is the world's)."""
 
@@ -54,6 +59,10 @@ class MegatronGroups:
         self._seen[label] += 1
         if asked in CHOSEN:
             backend = group_backend(vendors, TRANSPORTS[self.transport].backend, self.simulated, self.all_gloo)
+            if backend == DEVICE_DIRECT and label.startswith(DATA_PARALLEL):
+                raise UserError(f"{label} spans vendors ({', '.join(dict.fromkeys(vendors))}), and device-direct "
+                                "cannot carry the coalesced reduce-scatter Megatron's DDP runs on it; use "
+                                "transport cpu-forward, or keep data parallelism inside each vendor")
         elif asked == "gloo" or classify(vendors) != "cross-vendor":
             backend = asked
         else:

@@ -24,7 +24,8 @@ as its process); nothing is hooked on import.
 
 from __future__ import annotations
 
-from typing import Any
+import sys
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -78,6 +79,16 @@ def check_release(functions: bool = True) -> str:
     return version
 
 
+def refuse(message: str) -> NoReturn:
+    """One sentence (to bimetal's launcher when it started this rank, else stderr) and exit status 2: the end of a
+    user's error inside a script, where no bimetal command is there to catch it."""
+    from bimetal.supervisor import report_outcome
+
+    if not report_outcome(2, message):
+        print(f"bimetal megatron: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
 def install(chooser: MegatronGroups) -> None:
     """Hook the five functions (see the module docstring). Raises ``UserError`` when Megatron's groups exist."""
     from megatron.core import parallel_state
@@ -94,7 +105,10 @@ def install(chooser: MegatronGroups) -> None:
 
     def create_group(ranks: Any = None, timeout: Any = None, backend: Any = None, pg_options: Any = None,
                      use_local_synchronization: bool = False, group_desc: Any = None) -> Any:
-        chosen = chooser.choose(ranks, backend, group_desc)
+        try:
+            chosen = chooser.choose(ranks, backend, group_desc)
+        except UserError as exc:
+            refuse(str(exc))
         created[0] += 1
         group = create(ranks, timeout=timeout, backend=chosen, pg_options=pg_options if chosen == backend else None,
                        use_local_synchronization=use_local_synchronization, group_desc=group_desc)
@@ -118,8 +132,8 @@ def install(chooser: MegatronGroups) -> None:
         except (RuntimeError, AssertionError) as exc:
             if created[0] > before:
                 raise  # after groups were made: not a layout refusal
-            raise UserError(f"megatron-core refused the layout ({exc or type(exc).__name__}) for a world of "
-                            f"{dist.get_world_size()} ranks; choose sizes whose product divides it") from None
+            refuse(f"megatron-core refused the layout ({exc or type(exc).__name__}) for a world of "
+                   f"{dist.get_world_size()} ranks; choose sizes whose product divides it")
         if dist.get_rank() == 0:
             print("bimetal groups (megatron-core):\n" + chooser.table(), flush=True)
         return out

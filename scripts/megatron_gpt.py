@@ -47,15 +47,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def mock_batches(args: argparse.Namespace, dp_rank: int) -> Any:
-    """Megatron's mock-data idea: random tokens, the same for every run with this seed and data-parallel rank."""
-    step = 0
+def mock_batches(args: argparse.Namespace, stream: int) -> Any:
+    """Megatron's mock-data idea: random microbatches of tokens, the same for every run with this seed and
+    ``stream`` (one per data-parallel rank and step: every model chunk of the rank reads the same microbatches)."""
+    micro = 0
     while True:
-        g = torch.Generator().manual_seed(args.seed * 1000003 + step * 1009 + dp_rank)
+        g = torch.Generator().manual_seed(args.seed * 1000003 + micro * 1009 + stream)
         tokens = torch.randint(0, args.vocab, (args.micro_batch, args.seq + 1), generator=g)
         yield {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
                "position_ids": torch.arange(args.seq).unsqueeze(0).expand(args.micro_batch, -1).contiguous()}
-        step += 1
+        micro += 1
 
 
 def loss_func(output_tensor: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

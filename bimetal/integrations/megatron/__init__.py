@@ -121,9 +121,10 @@ def use(transport: str | None = None, all_gloo: bool | None = None) -> None:
             raise UserError("use() applies to the next initialize_model_parallel; call destroy_model_parallel first")
         settings = Settings(transport or _settings.transport,
                             _settings.all_gloo if all_gloo is None else all_gloo)
-        from bimetal.integrations.megatron.groups import MegatronGroups
+        from bimetal.transports import BIMETAL
 
-        MegatronGroups(_chooser.vendors, settings.transport)  # checks the name
+        if settings.transport not in BIMETAL:
+            raise UserError(f"transport {settings.transport!r} is unknown; use {' or '.join(BIMETAL)}")
         if settings.all_gloo and not _chooser.simulated:
             raise UserError("all_gloo is a reference for simulated runs (bimetal megatron --simulate)")
         _chooser.transport, _chooser.all_gloo = settings.transport, settings.all_gloo

@@ -40,6 +40,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tied", action="store_true", help="share the embedding with the output layer")
     p.add_argument("--dist-opt", action="store_true", help="Megatron's distributed optimizer")
     p.add_argument("--batch-p2p", action="store_true", help="batch_p2p_comm=True (batched pipeline sends/receives)")
+    p.add_argument("--overlap-p2p", action="store_true",
+                   help="overlap_p2p_comm=True (interleaved schedule; needs batch_p2p_comm=False)")
     p.add_argument("--transport", choices=("cpu-forward", "device-direct"),
                    help="of groups that span vendors (default cpu-forward, or bimetal megatron's --transport)")
     p.add_argument("--report", help="write this rank's losses (and op counts) as JSON here")
@@ -116,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
         virtual_pipeline_model_parallel_size=args.vpp, use_cpu_initialization=True,
         pipeline_dtype=torch.float32, params_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0,
-        batch_p2p_comm=args.batch_p2p, batch_p2p_sync=False,
+        batch_p2p_comm=args.batch_p2p, batch_p2p_sync=False, overlap_p2p_comm=args.overlap_p2p,
         # the sequence-parallel fused kernels and gradient fusion need apex / TransformerEngine
         gradient_accumulation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
         apply_rope_fusion=False, persist_layer_norm=False)

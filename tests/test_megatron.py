@@ -26,7 +26,8 @@ MODES = ("all-gloo", "cpu-forward", "device-direct")
 TRANSPORT_BACKENDS = {"bimetal_cpu_forward", "bimetal_device_direct"}
 RTOL = 1e-6
 TWO = {"pp2": "--pp 2 --steps 3", "vpp": "--pp 2 --vpp 2 --steps 3",
-       "vpp_batched": "--pp 2 --vpp 2 --batch-p2p --steps 3", "vpp_overlap": "--pp 2 --vpp 2 --overlap-p2p --steps 3", "tied": "--pp 2 --tied --steps 3",
+       "vpp_batched": "--pp 2 --vpp 2 --batch-p2p --steps 3", "vpp_overlap": "--pp 2 --vpp 2 --overlap-p2p --steps 3",
+       "tied": "--pp 2 --tied --steps 3",
        # data parallelism across the vendors: cpu-forward only (device-direct refuses it, see below)
        "dp2_distopt@all-gloo+cpu-forward": "--dist-opt --steps 3"}
 FOUR = {"tp2_pp2": "--tp 2 --pp 2 --steps 3", "dp2_pp2_distopt": "--pp 2 --dist-opt --steps 3"}

@@ -42,6 +42,7 @@ COMMANDS: dict[str, Command] = {
     }),
     "profile": Command("time model layers on the local device for the planner", "bimetal.plan.profile:profile_main"),
     "titan": Command("torchtitan's trainer across vendors", "bimetal.integrations.torchtitan.cli:main"),
+    "megatron": Command("a megatron-core script across vendors", "bimetal.integrations.megatron.cli:main"),
     "slurm": Command("write the sbatch script of a config: one hetjob component per vendor",
                      "bimetal.plan.slurm_cli:main", {"check": "bimetal.plan.slurm_cli:check_main"}),
     "lab": Command("bring up an emulated multi-node cluster and run a job on it", None, {

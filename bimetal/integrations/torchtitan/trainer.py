@@ -37,7 +37,8 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.trainer import Trainer
 
 from bimetal import faults, transports
-from bimetal.comm.registry import CPU_FORWARD, register_backends
+from bimetal.comm.registry import register_backends
+from bimetal.integrations.common import world_backend
 from bimetal.integrations.torchtitan import cpu_support
 from bimetal.integrations.torchtitan._torch_hooks import mesh_backends
 from bimetal.integrations.torchtitan.mesh import MeshBackends
@@ -72,13 +73,6 @@ class BimetalParallelDims(ParallelDims):
         if dist.get_rank() == 0:
             print("bimetal groups (torchtitan mesh):\n" + self.backends.table(), flush=True)
         return mesh
-
-
-def world_backend(vendor: str) -> str:
-    """A world group that can span vendors: Gloo for CPU tensors; CUDA tensors through cpu-forward."""
-    if is_simulated() or vendor == "cpu":
-        return "gloo"
-    return f"cpu:gloo,cuda:{CPU_FORWARD}"
 
 
 class BimetalTrainer(Trainer):

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-import select
+import os
+import resource
 import socket
 import struct
 import threading
@@ -12,7 +13,7 @@ import time
 import pytest
 
 from bimetal.comm.base import TransportError, TransportTimeout
-from bimetal.comm.device_direct.control import ControlChannel
+from bimetal.comm.device_direct.control import ControlChannel, wait_ready
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -44,7 +45,7 @@ def _pump(channels: list[ControlChannel], until, seconds: float = 5.0) -> None:
     while not until() and time.monotonic() < deadline:
         readers = [s for c in channels for s in c.readers()]
         writers = [s for c in channels for s in c.writers()]
-        r, w, _ = select.select(readers, writers, [], 0.05)
+        r, w = wait_ready(readers, writers, 0.05)
         for c in channels:
             for s in w:
                 c.on_ready(s, readable=False)
@@ -72,6 +73,33 @@ def test_frames_both_ways_in_order_with_payloads() -> None:
     assert [(p, n["seq"], d) for p, n, d in got_a] == [(1, i, b"") for i in range(50)]
     a.close()
     b.close()
+
+
+def test_set_up_and_frames_work_on_descriptors_numbered_past_1024() -> None:
+    """A rank of a large job holds many files and sockets: ``select`` refuses descriptors >= 1024, the channel not."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"the hard limit on open files is {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        a, b = _pair()
+        assert min(s.fileno() for s in [*a.readers(), *b.readers()]) >= 1024
+        a.send(1, {"k": "inline", "seq": 1}, b"x")
+        got: list = []
+
+        def arrived() -> bool:
+            got.extend(b.take())
+            return bool(got)
+
+        _pump([a, b], arrived)
+        assert [(p, n["seq"], d) for p, n, d in got] == [(0, 1, b"x")]
+        a.close()
+        b.close()
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 def test_an_oversized_frame_closes_that_connection_naming_it() -> None:

@@ -99,7 +99,7 @@ class ControlChannel:
                     del pending[sock]
                     sock.close()  # no hello in time: a stranger (or a stuck peer) does not stall the others
                 wake = min([deadline, *(until for until, _ in pending.values())])
-                ready, _, _ = select.select([self._listener, *pending], [], [], max(wake - now, 0.0))
+                ready, _ = wait_ready([self._listener, *pending], [], wake - now)
                 for sock in ready:
                     if sock is self._listener:
                         with contextlib.suppress(BlockingIOError, InterruptedError):
@@ -208,13 +208,39 @@ class ControlChannel:
         deadline = time.monotonic() + _FLUSH_ON_CLOSE_S
         while self.writers() and time.monotonic() < deadline:
             with contextlib.suppress(OSError, ValueError):
-                _, ready, _ = select.select([], self.writers(), [], max(deadline - time.monotonic(), 0))
+                _, ready = wait_ready([], self.writers(), deadline - time.monotonic())
                 for sock in ready:
                     self.on_ready(sock, readable=False)
         for sock in [*self._socks.values(), self._listener]:
             sock.close()
         self._socks.clear()
         self._peer_of.clear()
+
+
+def wait_ready(readers: list[socket.socket], writers: list[socket.socket],
+               timeout: float) -> tuple[list[socket.socket], list[socket.socket]]:
+    """The sockets of ``readers`` that can be read and of ``writers`` that can be written, waiting up to ``timeout``.
+
+    ``poll``, not ``select``: ``select`` refuses any descriptor numbered 1024 or above ("filedescriptor out of
+    range"), which a rank reaches once its trainer holds enough files, sockets and groups open. A socket
+    closed under us reports ready, so its read or write finds the error as it would with ``select``.
+    """
+    poller = select.poll()
+    by_fd: dict[int, socket.socket] = {}
+    masks: dict[int, int] = {}
+    for sock, mask in [*((r, select.POLLIN) for r in readers), *((w, select.POLLOUT) for w in writers)]:
+        fd = sock.fileno()
+        if fd < 0:
+            raise OSError("a socket of the device-direct control plane was closed")
+        by_fd[fd] = sock
+        masks[fd] = masks.get(fd, 0) | mask
+    for fd, mask in masks.items():
+        poller.register(fd, mask)
+    events = poller.poll(max(timeout, 0.0) * 1000.0)
+    trouble = select.POLLERR | select.POLLHUP | select.POLLNVAL
+    readable = [by_fd[fd] for fd, ev in events if masks[fd] & select.POLLIN and ev & (select.POLLIN | trouble)]
+    writable = [by_fd[fd] for fd, ev in events if masks[fd] & select.POLLOUT and ev & (select.POLLOUT | trouble)]
+    return readable, writable
 
 
 def _frame(note: dict[str, Any], payload: bytes) -> bytes:

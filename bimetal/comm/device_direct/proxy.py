@@ -22,7 +22,6 @@ import collections
 import contextlib
 import logging
 import queue
-import select
 import socket
 import threading
 import time
@@ -32,7 +31,7 @@ import torch
 from torch.futures import Future
 
 from bimetal.comm.base import TransportError, TransportTimeout
-from bimetal.comm.device_direct.control import ControlChannel
+from bimetal.comm.device_direct.control import ControlChannel, wait_ready
 from bimetal.comm.device_direct.engine import Engine, PeerFailedError
 from bimetal.comm.device_direct.notes import BadNote, check_note
 from bimetal.comm.device_direct.ops import Counters, Op, ready_event
@@ -169,8 +168,7 @@ class Proxy:
 
     def _sleep(self, timeout: float) -> None:
         try:
-            readable, writable, _ = select.select([self._wake_r, *self.control.readers()], self.control.writers(),
-                                                  [], timeout)
+            readable, writable = wait_ready([self._wake_r, *self.control.readers()], self.control.writers(), timeout)
         except OSError:  # closed under us: the group is shutting down
             return
         for sock in writable:

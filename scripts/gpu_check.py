@@ -17,7 +17,6 @@ copy double), small sizes and short training runs in float32, so that CI runs it
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -26,6 +25,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from bimetal.args import ArgumentParser
+from bimetal.entry import run_command
+from bimetal.errors import UserError
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -174,15 +177,14 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="scripts/gpu_check.py", description=__doc__.splitlines()[0])
     ap.add_argument("--cpu", action="store_true", help="CPU tensors, staging forced, small sizes (CI)")
     ap.add_argument("--out", default="", help="folder for gpu_check.json (default: a temporary folder)")
     ap.add_argument("--timeout", type=float, default=220.0,
                     help="seconds each of the two steps may take before it is killed and reported (default 220)")
     args = ap.parse_args(argv)
     if args.timeout <= 0:
-        print(f"gpu_check: --timeout must be positive, not {args.timeout:g}", file=sys.stderr)
-        return 2
+        raise UserError(f"--timeout must be positive, not {args.timeout:g}")
     out = Path(args.out or tempfile.mkdtemp(prefix="bimetal-gpu-check-"))
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
@@ -207,4 +209,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command("gpu-check", main, sys.argv[1:]))

@@ -21,6 +21,7 @@ import sys
 import tomllib
 from pathlib import Path
 
+from bimetal.args import ArgumentParser
 from bimetal.config import TrainConfig
 from bimetal.errors import UserError
 from bimetal.plan.sbatch import Component, SbatchJob, islands, rank_ranges, render
@@ -29,7 +30,7 @@ from bimetal.topology.slurm import Island, check_allocation, read_job
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="bimetal slurm", description=__doc__.splitlines()[0],
+    p = ArgumentParser(prog="bimetal slurm", description=__doc__.splitlines()[0],
                                 epilog="Other arguments: --section.key=value overrides of the train config, or "
                                        "(with --titan) torchtitan's arguments after --.")
     p.add_argument("--config", help="the `bimetal train` config TOML")
@@ -186,7 +187,7 @@ def _read_plan(path: str) -> dict:
 
 def check_main(argv: list[str]) -> int:
     """``bimetal slurm check --cluster SPEC [--groups a,b]``: inside a job, its allocation against the spec."""
-    p = argparse.ArgumentParser(prog="bimetal slurm check", description=check_main.__doc__)
+    p = ArgumentParser(prog="bimetal slurm check", description=check_main.__doc__)
     p.add_argument("--cluster", required=True, help="cluster spec TOML")
     p.add_argument("--groups", help="node groups in component order (default: the trainer's order)")
     a = p.parse_args(argv)

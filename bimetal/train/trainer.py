@@ -412,7 +412,8 @@ def _run(cfg: TrainConfig, ctx: Any, smesh: Any, models: Any, args: Any, split: 
             if local_shards:  # no gather; their layout goes into this rank's JSON
                 state = to_local(state, shards)
                 extra["shards"] = {"part": part, "dim": 0, "count": smesh.dp_shard, "tensors": shards}
-            checkpoint.save(folder, step + 1, state, extra, meta, rank, shard=part, writer=writer)
+            with _during(rank, step + 1, "checkpoint save", None):  # a peer that dies meanwhile: one sentence
+                checkpoint.save(folder, step + 1, state, extra, meta, rank, shard=part, writer=writer)
             if rank == 0:
                 checkpoint.prune(folder, cfg.checkpoint.keep_last)
         report_step(step + 1)  # for the launcher's sentence if this rank dies; no-op outside bimetal's launcher

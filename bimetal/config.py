@@ -285,6 +285,12 @@ class TrainConfig:
         self._check_ranges()
         self._check_stage_shapes()
 
+    def compute_dtype(self, device_type: str) -> str:
+        """What the ranks compute in on a ``device_type`` device (``cuda`` or ``cpu``): ``bfloat16`` (autocast) or
+        ``float32``; ``auto`` is bf16 on GPUs only. The trainer and the dry-run both ask this."""
+        dtype = self.training.dtype
+        return "bfloat16" if dtype == "bfloat16" or (dtype == "auto" and device_type == "cuda") else "float32"
+
     @property
     def per_stage(self) -> bool:
         """Whether the layout gives stages their own shapes (any ``parallel.*_per_stage`` key set)."""
@@ -475,8 +481,45 @@ def parse_overrides(argv: list[str]) -> dict[str, str]:
     return out
 
 
-def load_config(path: str | Path | None, overrides: dict[str, Any] | list[str] | None = None) -> TrainConfig:
-    """Defaults, then the TOML file at ``path`` (if any), then ``overrides``; raises ``UserError``."""
+UNIFORM_AND_PER_STAGE = (("parallel", "dp", "dp_per_stage"), ("parallel", "tp", "tp_per_stage"),
+                         ("parallel", "dp_shard", "dp_shard_per_stage"),
+                         ("activation_checkpoint", "mode", "mode_per_stage"))
+"""A key every stage shares beside the list that gives each stage its own value."""
+
+
+def uniform_beside_per_stage(cfg: TrainConfig, file_keys: set[str], cli_keys: set[str], file: str) -> list[str]:
+    """Each uniform key written beside its per-stage list (``parallel.dp`` and ``parallel.dp_per_stage``).
+
+    A list whose every entry equals the uniform key ignores nothing and passes. A list on the command line over
+    a uniform key of the file overrides it, as any command-line key overrides the file (CLI > file): returned
+    as a sentence for the job to print, so it is not silent. Any other pair - both in the file, both on the
+    command line, or the uniform key on the command line over the file's list - would ignore a value the user
+    wrote: refused (``UserError``), naming both keys and where each was written.
+    """
+    notes = []
+    for section, one, many in UNIFORM_AND_PER_STAGE:
+        u_key, l_key = f"{section}.{one}", f"{section}.{many}"
+        body = getattr(cfg, section)
+        value, values = getattr(body, one), getattr(body, many)
+        levels = [2 if k in cli_keys else 1 if k in file_keys else 0 for k in (u_key, l_key)]
+        if not values or not levels[0] or all(v == value for v in values):
+            continue
+        where = ["the command line" if lv == 2 else file for lv in levels]
+        if levels[1] > levels[0]:
+            notes.append(f"{l_key}={values} ({where[1]}) overrides {u_key}={value!r} ({where[0]}) for every stage")
+            continue
+        raise UserError(f"{u_key}={value!r} ({where[0]}) is set beside {l_key}={values} ({where[1]}), which gives "
+                        f"each stage its own value, so {u_key} would be ignored; drop one of them, or make them "
+                        "agree.")
+    return notes
+
+
+def load_config(path: str | Path | None, overrides: dict[str, Any] | list[str] | None = None,
+                notes: list[str] | None = None) -> TrainConfig:
+    """Defaults, then the TOML file at ``path`` (if any), then ``overrides``; raises ``UserError``.
+
+    A uniform key written beside its per-stage list is refused unless the list overrides it from the command
+    line or agrees with it (``uniform_beside_per_stage``); ``notes`` receives the sentences of overrides."""
     data: dict[str, Any] = {}
     file = "the command line"
     if path is not None:
@@ -486,6 +529,7 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | list[str] |
             raise UserError(f"config file {p} is a folder; give the path of a TOML file to --config.")
         data = read_toml(p, f"config file {p} does not exist; check the --config path.",
                          f"config file {p} is not valid TOML ({{error}}); fix the syntax.")
+    file_keys = {f"{s}.{k}" for s, body in data.items() if isinstance(body, dict) for k in body}
     if isinstance(overrides, list):
         overrides = parse_overrides(overrides)
     for dotted, value in (overrides or {}).items():
@@ -495,7 +539,11 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | list[str] |
             body[key] = value
     try:
         _read_strings(data)
-        return check(TrainConfig, data, file, _explain(file, set(overrides or {})))  # __post_init__ validates
+        cfg = check(TrainConfig, data, file, _explain(file, set(overrides or {})))  # __post_init__ validates
+        said = uniform_beside_per_stage(cfg, file_keys, set(overrides or {}), file)
+        if notes is not None:
+            notes += said
+        return cfg
     except UserError as exc:
         raise blame_file(exc, path, overrides) from None
 

@@ -76,8 +76,8 @@ def _pick(table: dict[str, str], isl: Island) -> str | None:
 def _stages(cfg: TrainConfig, parts: list[Island], spec: ClusterSpec) -> list[str]:
     """Each component's stages; refuses (one sentence) a layout the spec's nodes cannot hold (per-stage shapes
     included: each stage on its own island)."""
-    from bimetal.parallel.layout import ParallelDims, plan_layout
-    from bimetal.topology.records import ClusterView, RankRecord
+    from bimetal.parallel.layout import ParallelDims
+    from bimetal.plan.layout_check import check_on_spec
 
     p = cfg.parallel
     what = ("the per-stage layout" if cfg.per_stage
@@ -86,13 +86,7 @@ def _stages(cfg: TrainConfig, parts: list[Island], spec: ClusterSpec) -> list[st
     if need != have:
         raise UserError(f"{what} needs {need} ranks but {spec.path} has {have} GPUs; one rank runs per GPU, so make "
                         "them match.")
-    records, rank = [], 0
-    for isl in parts:
-        for node in range(isl.nodes):
-            for local in range(isl.gpus_per_node):
-                records.append(RankRecord(rank, local, f"{isl.name}-{node}", isl.vendor, isl.gpu, 0))
-                rank += 1
-    layout = plan_layout(ClusterView(records), ParallelDims.from_config(cfg))
+    layout = check_on_spec(ParallelDims.from_config(cfg), spec, parts)
     out = []
     for ranks in rank_ranges(parts):
         held = sorted({layout.coords(r)[0] for r in ranks})

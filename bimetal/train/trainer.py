@@ -80,11 +80,9 @@ def _during(rank: int, step: int, phase: str, group: str | None) -> Iterator[Non
         raise JobAborted(f"rank {rank} stopped in step {step} during the {phase}{where}: {reason}") from exc
 
 
-def _autocast_dtype(dtype: str, device: torch.device) -> torch.dtype | None:
-    """bf16 autocast on GPUs by default; float32 on the CPU unless asked for bf16."""
-    if dtype == "bfloat16" or (dtype == "auto" and device.type == "cuda"):
-        return torch.bfloat16
-    return None
+def _autocast_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype | None:
+    """bf16 autocast on GPUs by default; float32 on the CPU unless asked for bf16 (``TrainConfig.compute_dtype``)."""
+    return torch.bfloat16 if cfg.compute_dtype(device.type) == "bfloat16" else None
 
 
 class _XvendorMeter:
@@ -266,7 +264,7 @@ def _run(cfg: TrainConfig, ctx: Any, smesh: Any, models: Any, args: Any, split: 
     stage, n_stages = (ctx.stage, ctx.num_stages) if ctx else (0, 1)
     dp_rank, dp_size = (ctx.dp_rank, ctx.dp_size) if ctx else (0, 1)
     rank = ctx.rank if ctx else 0
-    amp = _autocast_dtype(cfg.training.dtype, device)
+    amp = _autocast_dtype(cfg, device)
     family = cfg.model.family
     model, local, mesh = _build_stage(cfg, ctx, models, args, split, stage, n_stages, device, amp, smesh)
     opt = build_optimizer(model, cfg.optim)

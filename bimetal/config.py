@@ -270,6 +270,12 @@ class TrainConfig:
         if p.microbatches < 1 or (self.data.batch_size % p.microbatches and not self.per_stage):
             raise UserError(f"data.batch_size={self.data.batch_size} must be a multiple of "
                             f"parallel.microbatches={p.microbatches}.")
+        if p.schedule == "1f1b" and p.pp > 1 and p.microbatches < p.pp and not self.per_stage:
+            # torch's 1F1B schedule fills the pipeline with one microbatch per stage (else it raises on every rank)
+            raise UserError(f"parallel.schedule='1f1b' needs at least one microbatch per stage, but parallel.pp="
+                            f"{p.pp} has parallel.microbatches={p.microbatches}; raise parallel.microbatches to "
+                            f"{p.pp} or more (data.batch_size={self.data.batch_size} a multiple of it), or use "
+                            "parallel.schedule='gpipe'.")
         if p.pp_boundary_dtype not in ("compute", "float32"):
             raise UserError(f"parallel.pp_boundary_dtype={p.pp_boundary_dtype!r} is unknown; use 'compute' or "
                             "'float32'.")
@@ -388,8 +394,13 @@ class TrainConfig:
         """Layers per stage for a model of ``n_layers``; raises ``UserError`` if the split does not sum."""
         split = list(self.parallel.layers_per_stage)
         if not split:
-            base, extra = divmod(n_layers, self.parallel.pp)
-            split = [base + (1 if i < extra else 0) for i in range(self.parallel.pp)]
+            pp = self.parallel.pp
+            base, extra = divmod(n_layers, pp)
+            split = [base + (1 if i < extra else 0) for i in range(pp)]
+            if pp > n_layers:
+                raise UserError(f"parallel.pp={pp} stages split model {self.model.family}/{self.model.flavour}'s "
+                                f"{n_layers} layers as {split}, leaving {pp - n_layers} stage(s) with no layer; use "
+                                f"at most {n_layers} stages, or a model with more layers.")
         if sum(split) != n_layers or min(split) < 1:
             raise UserError(
                 f"parallel.layers_per_stage={split} sums to {sum(split)} but model "

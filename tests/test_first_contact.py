@@ -235,7 +235,8 @@ BAD_VALUES = {"BIMETAL_SIMULATE": "nvidia", "BIMETAL_LAUNCH_FORK": "yes", "BIMET
               "BIMETAL_DD_FALLBACK": "maybe", "BIMETAL_DD_DEVICE": "gpu0",
               "BIMETAL_DD_DEVICES": "mlx5_0,,mlx5_1", "BIMETAL_DD_REG_CACHE_BYTES": "0", "BIMETAL_THREADS": "1.5",
               "BIMETAL_HOST": " ", "BIMETAL_LAB": " ", "BIMETAL_LAB_RANK_ENV": "[1]",
-              "BIMETAL_FAULT_KILL": "3:x", "BIMETAL_FAULT_STALL": "3:3", "BIMETAL_TRACEBACK": "true",
+              "BIMETAL_FAULT_KILL": "3:x", "BIMETAL_FAULT_KILL_IN_CHECKPOINT": "1",
+              "BIMETAL_FAULT_STALL": "3:3", "BIMETAL_TRACEBACK": "true",
               "BIMETAL_LAUNCH_REPORT": " ", "BIMETAL_IFACES": "eth0,", "BIMETAL_REACH_S": "-1",
               "BIMETAL_TEST_CLAIM_VERSIONS": "1:foo=2"}
 

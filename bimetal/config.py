@@ -232,7 +232,7 @@ class TrainConfig:
             raise UserError(f"parallel.pp={p.pp} and parallel.dp={p.dp} must both be at least 1.")
         if p.tp < 1:
             raise UserError(f"parallel.tp={p.tp} must be at least 1.")
-        if p.dp_shard < 1 or p.dp % p.dp_shard:
+        if p.dp_shard < 1 or (p.dp % p.dp_shard and not self.per_stage):  # per stage: each stage's own dp
             raise UserError(f"parallel.dp_shard={p.dp_shard} must be at least 1 and divide parallel.dp={p.dp}.")
         ac = self.activation_checkpoint
         if ac.mode not in ("none", "full", "selective"):

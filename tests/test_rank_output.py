@@ -124,3 +124,22 @@ def test_the_step_record_is_replaced_never_rewritten_in_place(tmp_path: Path, mo
     report_step(4)
     assert (tmp_path / "rank-3.step").read_text() == "4" and (tmp_path / "old").read_text() == "3"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["old", "rank-3.step"]  # no temporary left
+
+
+def test_the_verdict_orders_deaths_and_gives_one_line_per_failure(tmp_path: Path) -> None:
+    """Four ended ranks, read from the launcher's records alone (no processes): rank 1 exited (status 1, no
+    sentence) in the same poll as rank 2 was killed by SIGABRT, rank 3 aborted a poll later and rank 0 said why
+    it stopped. The death by a signal counts first; rank 3 is one "also" line; ranks 0 and 1 one "stopped because"
+    line with rank 0's sentence; no line per rank."""
+    from bimetal.supervisor import RankSupervisor, _Rank
+
+    (tmp_path / "rank-0.json").write_text(json.dumps({"status": 1, "message": "rank 0 stopped in step 3: peer gone.",
+                                                      "time": 5.0}))
+    ranks = [_Rank(0, "nvidia", None, code=1, seen=1.05), _Rank(1, "nvidia", None, code=1, seen=1.0),  # type: ignore[arg-type]
+             _Rank(2, "amd", None, code=-6, seen=1.0), _Rank(3, "amd", None, code=-6, seen=1.02)]  # type: ignore[arg-type]
+    outcome = RankSupervisor(["python"], 4, {})._verdict(ranks, tmp_path, restartable=False)
+    assert outcome.status == 1
+    assert outcome.lines == ["rank 2 (amd) was killed by SIGABRT; the job stopped.",
+                             "rank 3 (amd) was also killed by SIGABRT.",
+                             "ranks 0 (nvidia) and 1 (nvidia) stopped because rank 2 died (first reason given: rank 0 "
+                             "stopped in step 3: peer gone)."], outcome.lines

@@ -7,6 +7,7 @@ Every refusal is one line on stderr starting "bimetal ", exit status 2, no trace
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -113,6 +114,9 @@ def test_the_dry_run_reports_the_dtype_the_ranks_train_in(capsys: pytest.Capture
     assert main(["train", "--config", DEMO, "--dry-run"]) == 0
     head = capsys.readouterr().out.splitlines()[0]
     assert "bf16 autocast, float32 master weights and AdamW (training.dtype auto on GPUs), stage boundary bf16" in head
+    assert main(["train", "--config", DEMO, "--simulate", "nvidia:2,amd:2", "--dry-run", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["dtype"] == {"compute": "float32", "autocast": False, "device": "cpu",
+                                                             "boundary": "float32"}
     cfg = load_config(DEMO)
     assert (cfg.compute_dtype("cpu"), cfg.compute_dtype("cuda")) == ("float32", "bfloat16")
 

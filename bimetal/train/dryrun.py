@@ -266,7 +266,11 @@ def dry_run(cfg: TrainConfig, as_json: bool = False, local: bool = True, device_
     stages = report(cfg)
     hops = hop_report(cfg) if len(stages) == cfg.parallel.pp else []
     if as_json:
-        out: dict[str, Any] = {"reserve": MEMORY_RESERVE, "files_checked": local, "stages": [
+        bf16 = cfg.training.dtype == "bfloat16"  # resolved above: what the ranks compute in
+        out: dict[str, Any] = {"reserve": MEMORY_RESERVE, "files_checked": local, "dtype": {
+            "compute": cfg.training.dtype, "autocast": bf16, "device": device_type,
+            "boundary": ("bfloat16" if boundary_size(cfg) == 2 else "float32") if cfg.parallel.pp > 1 else None},
+            "stages": [
             asdict(s) | {"total": s.total, "fits": s.fits} for s in stages], "hops": [asdict(h) for h in hops]}
         print(json.dumps(out, indent=1))
     else:

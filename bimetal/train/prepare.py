@@ -203,7 +203,8 @@ def prepare(ns: argparse.Namespace, rest: list[str]) -> Job:
         auto, note = _auto_layout(ns, overrides, vendors) if vendors and not in_rank else ([], "")
         notes: list[str] = []  # a per-stage list on the command line over the file's uniform key, said once
         cfg = load_config(ns.config, overrides + auto, notes)  # names the file for a bad value set there
-        note = "\n".join([note] * bool(note) + [f"bimetal train: {n}." for n in notes])
+        if not in_rank or (os.environ.get("RANK") == "0" and REPORT_ENV not in os.environ):  # said once per job
+            note = "\n".join([note] * bool(note) + [f"bimetal train: {n}." for n in notes])
         return _checked(ns, cfg, vendors, in_rank, auto, note)
     except UserError as exc:
         raise blame_file(exc, ns.config, overrides) from None

@@ -174,8 +174,9 @@ def _write_memory(run_dir: str, rank: int, sizes: dict[str, int]) -> None:
     import json
     from pathlib import Path
 
-    Path(run_dir).mkdir(parents=True, exist_ok=True)
-    (Path(run_dir) / f"memory-rank{rank}.json").write_text(json.dumps(sizes))
+    from bimetal.outputs import write_text
+
+    write_text(Path(run_dir) / f"memory-rank{rank}.json", json.dumps(sizes))  # whole or not at all
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:

@@ -103,7 +103,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bimetal: unknown command {name!r}; the commands are {', '.join(COMMANDS)} (bimetal --help).",
               file=sys.stderr)
         return 2
-    return run_command(name, lambda args: _route(name, args), rest)
+    # the sentence of a sub-command names it: "bimetal plan fit: ...", as its own --help does
+    label = f"{name} {rest[0]}" if rest and rest[0] in COMMANDS[name].subcommands else name
+    return run_command(label, lambda args: _route(name, args), rest)
 
 
 if __name__ == "__main__":

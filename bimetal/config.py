@@ -236,7 +236,7 @@ class TrainConfig:
             raise UserError(f"parallel.pp={p.pp} and parallel.dp={p.dp} must both be at least 1.")
         if p.tp < 1:
             raise UserError(f"parallel.tp={p.tp} must be at least 1.")
-        if p.dp_shard < 1 or p.dp % p.dp_shard:
+        if p.dp_shard < 1 or (p.dp % p.dp_shard and not self.per_stage):  # per stage: each stage's own dp
             raise UserError(f"parallel.dp_shard={p.dp_shard} must be at least 1 and divide parallel.dp={p.dp}.")
         ac = self.activation_checkpoint
         if ac.mode not in ("none", "full", "selective"):
@@ -274,6 +274,12 @@ class TrainConfig:
         if p.microbatches < 1 or (self.data.batch_size % p.microbatches and not self.per_stage):
             raise UserError(f"data.batch_size={self.data.batch_size} must be a multiple of "
                             f"parallel.microbatches={p.microbatches}.")
+        if p.schedule == "1f1b" and p.pp > 1 and p.microbatches < p.pp and not self.per_stage:
+            # torch's 1F1B schedule fills the pipeline with one microbatch per stage (else it raises on every rank)
+            raise UserError(f"parallel.schedule='1f1b' needs at least one microbatch per stage, but parallel.pp="
+                            f"{p.pp} has parallel.microbatches={p.microbatches}; raise parallel.microbatches to "
+                            f"{p.pp} or more (data.batch_size={self.data.batch_size} a multiple of it), or use "
+                            "parallel.schedule='gpipe'.")
         if p.pp_boundary_dtype not in ("compute", "float32"):
             raise UserError(f"parallel.pp_boundary_dtype={p.pp_boundary_dtype!r} is unknown; use 'compute' or "
                             "'float32'.")
@@ -288,6 +294,12 @@ class TrainConfig:
                             "checkpoint.resume is off; add --resume or drop it.")
         self._check_ranges()
         self._check_stage_shapes()
+
+    def compute_dtype(self, device_type: str) -> str:
+        """What the ranks compute in on a ``device_type`` device (``cuda`` or ``cpu``): ``bfloat16`` (autocast) or
+        ``float32``; ``auto`` is bf16 on GPUs only. The trainer and the dry-run both ask this."""
+        dtype = self.training.dtype
+        return "bfloat16" if dtype == "bfloat16" or (dtype == "auto" and device_type == "cuda") else "float32"
 
     @property
     def per_stage(self) -> bool:
@@ -386,8 +398,13 @@ class TrainConfig:
         """Layers per stage for a model of ``n_layers``; raises ``UserError`` if the split does not sum."""
         split = list(self.parallel.layers_per_stage)
         if not split:
-            base, extra = divmod(n_layers, self.parallel.pp)
-            split = [base + (1 if i < extra else 0) for i in range(self.parallel.pp)]
+            pp = self.parallel.pp
+            base, extra = divmod(n_layers, pp)
+            split = [base + (1 if i < extra else 0) for i in range(pp)]
+            if pp > n_layers:
+                raise UserError(f"parallel.pp={pp} stages split model {self.model.family}/{self.model.flavour}'s "
+                                f"{n_layers} layers as {split}, leaving {pp - n_layers} stage(s) with no layer; use "
+                                f"at most {n_layers} stages, or a model with more layers.")
         if sum(split) != n_layers or min(split) < 1:
             raise UserError(
                 f"parallel.layers_per_stage={split} sums to {sum(split)} but model "
@@ -479,8 +496,45 @@ def parse_overrides(argv: list[str]) -> dict[str, str]:
     return out
 
 
-def load_config(path: str | Path | None, overrides: dict[str, Any] | list[str] | None = None) -> TrainConfig:
-    """Defaults, then the TOML file at ``path`` (if any), then ``overrides``; raises ``UserError``."""
+UNIFORM_AND_PER_STAGE = (("parallel", "dp", "dp_per_stage"), ("parallel", "tp", "tp_per_stage"),
+                         ("parallel", "dp_shard", "dp_shard_per_stage"),
+                         ("activation_checkpoint", "mode", "mode_per_stage"))
+"""A key every stage shares beside the list that gives each stage its own value."""
+
+
+def uniform_beside_per_stage(cfg: TrainConfig, file_keys: set[str], cli_keys: set[str], file: str) -> list[str]:
+    """Each uniform key written beside its per-stage list (``parallel.dp`` and ``parallel.dp_per_stage``).
+
+    A list whose every entry equals the uniform key ignores nothing and passes. A list on the command line over
+    a uniform key of the file overrides it, as any command-line key overrides the file (CLI > file): returned
+    as a sentence for the job to print, so it is not silent. Any other pair - both in the file, both on the
+    command line, or the uniform key on the command line over the file's list - would ignore a value the user
+    wrote: refused (``UserError``), naming both keys and where each was written.
+    """
+    notes = []
+    for section, one, many in UNIFORM_AND_PER_STAGE:
+        u_key, l_key = f"{section}.{one}", f"{section}.{many}"
+        body = getattr(cfg, section)
+        value, values = getattr(body, one), getattr(body, many)
+        levels = [2 if k in cli_keys else 1 if k in file_keys else 0 for k in (u_key, l_key)]
+        if not values or not levels[0] or all(v == value for v in values):
+            continue
+        where = ["the command line" if lv == 2 else file for lv in levels]
+        if levels[1] > levels[0]:
+            notes.append(f"{l_key}={values} ({where[1]}) overrides {u_key}={value!r} ({where[0]}) for every stage")
+            continue
+        raise UserError(f"{u_key}={value!r} ({where[0]}) is set beside {l_key}={values} ({where[1]}), which gives "
+                        f"each stage its own value, so {u_key} would be ignored; drop one of them, or make them "
+                        "agree.")
+    return notes
+
+
+def load_config(path: str | Path | None, overrides: dict[str, Any] | list[str] | None = None,
+                notes: list[str] | None = None) -> TrainConfig:
+    """Defaults, then the TOML file at ``path`` (if any), then ``overrides``; raises ``UserError``.
+
+    A uniform key written beside its per-stage list is refused unless the list overrides it from the command
+    line or agrees with it (``uniform_beside_per_stage``); ``notes`` receives the sentences of overrides."""
     data: dict[str, Any] = {}
     file = "the command line"
     if path is not None:
@@ -490,6 +544,7 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | list[str] |
             raise UserError(f"config file {p} is a folder; give the path of a TOML file to --config.")
         data = read_toml(p, f"config file {p} does not exist; check the --config path.",
                          f"config file {p} is not valid TOML ({{error}}); fix the syntax.")
+    file_keys = {f"{s}.{k}" for s, body in data.items() if isinstance(body, dict) for k in body}
     if isinstance(overrides, list):
         overrides = parse_overrides(overrides)
     for dotted, value in (overrides or {}).items():
@@ -499,7 +554,11 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | list[str] |
             body[key] = value
     try:
         _read_strings(data)
-        return check(TrainConfig, data, file, _explain(file, set(overrides or {})))  # __post_init__ validates
+        cfg = check(TrainConfig, data, file, _explain(file, set(overrides or {})))  # __post_init__ validates
+        said = uniform_beside_per_stage(cfg, file_keys, set(overrides or {}), file)
+        if notes is not None:
+            notes += said
+        return cfg
     except UserError as exc:
         raise blame_file(exc, path, overrides) from None
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from bimetal.errors import JobAborted, UserError
 from bimetal.log import rank_logging
-from bimetal.supervisor import report_outcome
+from bimetal.supervisor import report_crash, report_outcome
 
 
 def run_command(label: str, func: Callable[[list[str]], int | None], argv: list[str]) -> int:
@@ -47,5 +47,8 @@ def run_command(label: str, func: Callable[[list[str]], int | None], argv: list[
         with contextlib.suppress(OSError):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
+    except Exception as exc:  # a bug: its traceback is printed as ever, and its line is left for the launcher
+        report_crash(exc)
+        raise
     finally:
         gc.collect()

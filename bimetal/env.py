@@ -280,6 +280,9 @@ VARIABLES: dict[str, Variable] = {
     "BIMETAL_FAULT_KILL": Variable(
         "debug", _fields(2, "rank:step, e.g. 3:6"), "unset", "Fault injection: that rank SIGKILLs itself after "
         "that step (first attempt only)."),
+    "BIMETAL_FAULT_KILL_IN_CHECKPOINT": Variable(
+        "debug", _fields(2, "rank:step, e.g. 1:4"), "unset", "Fault injection: that rank SIGKILLs itself while the "
+        "checkpoint of that step is being written (first attempt only)."),
     "BIMETAL_FAULT_STALL": Variable(
         "debug", _fields(3, "rank:step:seconds, e.g. 3:3:300"), "unset", "Fault injection: that rank sleeps after "
         "that step (first attempt only)."),

@@ -6,11 +6,15 @@ out of the filter print nothing. The launcher reads each rank's two streams thro
 stream, and writes whole lines under one lock, so lines of different ranks never mix within a line.
 
 A rank left out keeps its last ``tail`` lines of stderr: when it fails, ``finish`` shows them (prefixed) before
-the launcher's sentence, so the filter never hides why a rank died.
+the launcher's sentence, so the filter never hides why a rank died. faulthandler's thread dump (torch's
+``@record`` turns it on: a rank that aborts prints every thread's stack) is left out of that tail, so it cannot
+push the cause out; and every rank's cause line - the C++ ``what():`` of an uncaught exception, or the last
+line of a Python traceback - is kept for the launcher's sentence (``cause``).
 """
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import threading
@@ -21,6 +25,25 @@ from bimetal.errors import UserError
 
 if TYPE_CHECKING:
     from bimetal.rank_fork import ForkedRank
+
+
+_DUMP_START = b"Fatal Python error:"
+_DUMP_LINE = re.compile(rb"^(\s*$|Thread 0x|Current thread 0x|  File |  <no Python frame>|  Garbage-collecting|"
+                        rb"Extension modules:|Stack \(most recent call first\))")
+"""faulthandler's dump: its first line, then the lines it consists of (blank, thread headers, frames)."""
+
+
+_NOT_CAUSES = ("Traceback", "During handling of the above exception", "The above exception was the direct cause")
+
+
+def cause_of(line: str, in_traceback: bool) -> str | None:
+    """The cause a stderr line states, if it states one: a C++ ``what():`` or, inside a Python traceback, the
+    exception line (the first unindented line after the frames)."""
+    if "what():" in line:
+        return line.split("what():", 1)[1].strip() or None
+    if in_traceback and line and not line[0].isspace() and not line.startswith(_NOT_CAUSES):
+        return line.strip()
+    return None
 
 
 def parse_filter(text: str, world: int) -> set[int]:
@@ -45,6 +68,8 @@ class RankOutput:
         self.tail = tail
         self._out, self._err = stdout or sys.stdout, stderr or sys.stderr
         self._tails: dict[int, deque[bytes]] = {}
+        self._causes: dict[int, str] = {}
+        self._dumped: dict[int, int] = {}  # lines of faulthandler's dump left out of each rank's tail
         self._threads: list[threading.Thread] = []
         self.lock = threading.Lock()  # held while writing a line (and across a forked rank's start)
 
@@ -69,14 +94,34 @@ class RankOutput:
     def _pump(self, rank: int, stream: IO[bytes], sink: IO[Any], is_err: bool) -> None:
         prefix = f"[rank{rank}]:".encode()
         show = self.shown(rank)
+        dumping = in_traceback = False
         for line in iter(stream.readline, b""):
             line = line if line.endswith(b"\n") else line + b"\n"
-            if not show:
-                if is_err:
+            if is_err:
+                text = line.decode(errors="replace").rstrip("\n")
+                in_traceback = in_traceback or text.startswith("Traceback (most recent call last)")
+                cause = cause_of(text, in_traceback)
+                if cause is not None:
+                    self._causes[rank] = cause
+                    in_traceback = False
+                dumping = line.startswith(_DUMP_START) or (dumping and bool(_DUMP_LINE.match(line)))
+                if dumping and not line.startswith(_DUMP_START):
+                    self._dumped[rank] = self._dumped.get(rank, 0) + 1
+                elif not show:
                     self._tails[rank].append(line)
-                continue
-            self._write(sink, prefix + line)
+            if show:
+                self._write(sink, prefix + line)
         stream.close()
+
+    def cause(self, rank: int) -> str:
+        """The last cause line ``rank`` wrote to stderr (``cause_of``), or ""."""
+        return self._causes.get(rank, "")
+
+    def drain(self, timeout_s: float = 5.0) -> None:
+        """Wait for the pipes to close (the ranks have exited): every line is in."""
+        for t in self._threads:
+            t.join(timeout_s)  # a rank's leftover child holding the pipe must not hold the launcher
+        self._threads = []
 
     def _write(self, sink: IO[Any], data: bytes) -> None:
         with self.lock:
@@ -90,14 +135,14 @@ class RankOutput:
     def finish(self, failed: list[int], timeout_s: float = 5.0) -> None:
         """Wait for the pipes to drain (the ranks have exited), then show the stderr tail of each rank in
         ``failed`` that the filter hid."""
-        for t in self._threads:
-            t.join(timeout_s)  # a rank's leftover child holding the pipe must not hold the launcher
-        self._threads = []
+        self.drain(timeout_s)
         for rank in failed:
             lines = self._tails.get(rank)
             if self.shown(rank) or not lines:
                 continue
-            head = f"[rank{rank}]:(the last {len(lines)} lines of rank {rank}'s stderr, hidden by the filter)\n"
+            dumped = self._dumped.get(rank, 0)
+            left = f"; {dumped} lines of faulthandler's thread dump left out" if dumped else ""
+            head = f"[rank{rank}]:(the last {len(lines)} lines of rank {rank}'s stderr, hidden by the filter{left})\n"
             self._write(self._err, head.encode() + b"".join(f"[rank{rank}]:".encode() + x for x in lines))
 
     def torchrun_args(self) -> list[str]:

@@ -173,12 +173,28 @@ def check(schema: type[T], data: Any, source: str, explain: Callable[[Problem], 
         raise UserError((explain or default_explain(source))(problem_of(schema, exc))) from None
 
 
+def not_a_file(path: str | Path) -> str | None:
+    """Why a file the user named cannot be read as one ("does not exist", "is a folder", ...), or None: the
+    one wording of every input-file check, so a folder is never reported missing."""
+    p = Path(path)
+    if p.is_file():
+        return None
+    if p.is_dir():
+        return "is a folder, not a file"
+    if p.exists():
+        return "is not a regular file"
+    return "does not exist"
+
+
 def read_toml(path: str | Path, missing: str, invalid: str) -> dict[str, Any]:
     """The decoded TOML file at ``path``. ``missing`` is the sentence for no such file; ``invalid`` is a format
     string with ``{error}`` for a file that is not TOML."""
     p = Path(path)
-    if not p.is_file():
+    why = not_a_file(p)
+    if why == "does not exist":
         raise UserError(missing)
+    if why:
+        raise UserError(f"{p} {why}; give the path of a TOML file.")
     try:
         return tomllib.loads(p.read_text())
     except tomllib.TOMLDecodeError as exc:

@@ -7,9 +7,12 @@ so a rank cannot tell it from torchrun, but it owns what torchrun does not let b
 * **the last word**: a rank that stops on an error writes its one sentence to a report file instead of
   printing it (``report_outcome``); the launcher prints one sentence for the job - a user error once, not once
   per rank, exit status 2 - and never torchrun's multi-line child-failure dump;
-* **deaths**: a rank that dies (signal, or an exit without a report) is named with its vendor, how it died
-  and its last completed step (ranks note each step with ``report_step``); the survivors get ``grace_s`` to
-  finish with their own sentence, then they are stopped;
+* **deaths**: the first rank that dies (signal, or an exit without a sentence) is named with its vendor, how it
+  died, its last completed step (ranks note each step with ``report_step``) and its cause line: the Python
+  exception it ended with (``report_crash`` writes it to torchrun's error file, ``TORCHELASTIC_ERROR_FILE``,
+  which the launcher sets for each rank as torchrun does) or, with ``output``, the C++ ``what():`` line from its
+  stderr. The survivors get ``grace_s`` to finish, then they are stopped; the ranks that ended after the
+  first death are one more line, "stopped because rank R died", with the first of their own reasons;
 * **signals**: SIGINT/SIGTERM to the launcher stops every rank it started (each rank runs in its own session
   and gets SIGKILL if the launcher itself is killed), exit status 128 + signal;
 * **restarts**: with ``max_restarts`` the whole attempt is stopped and started again with the restart count
@@ -32,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -39,6 +43,7 @@ from typing import Any
 
 from bimetal.env import read as read_env
 from bimetal.errors import UserError
+from bimetal.outputs import write_text
 from bimetal.rank_fork import ForkedRank, fork_rank, preload
 from bimetal.rank_output import RankOutput
 
@@ -46,6 +51,8 @@ _log = logging.getLogger(__name__)
 
 REPORT_ENV = "BIMETAL_LAUNCH_REPORT"
 """Folder where the ranks of a bimetal-launched attempt leave their outcome and last completed step."""
+ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
+"""torchrun's per-rank file for the exception a rank ended with (torch's ``@record`` writes it too)."""
 
 _PR_SET_PDEATHSIG = 1
 
@@ -57,27 +64,41 @@ def _rank() -> int:
         return 0
 
 
+def _record(name: str, text: str) -> bool:
+    """Rank side: replace the record ``name`` in the launcher's folder whole (a temporary file renamed over it:
+    a rank killed while writing leaves the previous record, never an empty one); False when not
+    bimetal-launched or the folder is gone (the launcher finished and cleaned up: nothing to tell it)."""
+    folder = read_env(REPORT_ENV)
+    if not folder or not Path(folder).is_dir():
+        return False
+    try:
+        write_text(Path(folder, name), text)
+    except OSError:
+        return False
+    return True
+
+
 def report_step(step: int) -> None:
     """Rank side: note that this rank completed ``step`` (no-op unless a bimetal launcher started it)."""
-    folder = read_env(REPORT_ENV)
-    if folder:
-        with contextlib.suppress(OSError):  # the launcher is gone or cleaned up: nothing to tell it
-            Path(folder, f"rank-{_rank()}.step").write_text(str(step))
+    _record(f"rank-{_rank()}.step", str(step))
+
+
+def report_crash(exc: BaseException) -> None:
+    """Rank side: the exception that ends this rank (a bug: the traceback is printed too), in torchrun's error
+    file format, where torchrun or bimetal's launcher asked for it; its line becomes the launcher's cause."""
+    path = os.environ.get(ERROR_FILE_ENV)
+    if not path:
+        return
+    data = {"message": {"message": f"{type(exc).__name__}: {exc}", "extraInfo": {
+        "py_callstack": "".join(traceback.format_exception(exc)), "timestamp": str(int(time.time()))}}}
+    with contextlib.suppress(OSError):
+        write_text(path, json.dumps(data))
 
 
 def report_outcome(status: int, message: str) -> bool:
     """Rank side: leave this rank's final sentence for the launcher; False when not bimetal-launched
     (the caller then prints it itself)."""
-    folder = read_env(REPORT_ENV)
-    if not folder:
-        return False
-    try:
-        tmp = Path(folder, f".rank-{_rank()}.json")
-        tmp.write_text(json.dumps({"status": status, "message": message, "time": time.time()}))
-        tmp.replace(Path(folder, f"rank-{_rank()}.json"))
-    except OSError:
-        return False
-    return True
+    return _record(f"rank-{_rank()}.json", json.dumps({"status": status, "message": message, "time": time.time()}))
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec (or the forked rank's start)
@@ -101,6 +122,7 @@ class _Rank:
     proc: subprocess.Popen | ForkedRank
     code: int | None = None
     stopped_by_us: bool = False
+    seen: float = float("inf")  # when the launcher saw it end (time.monotonic): who died first
 
     def label(self) -> str:
         return f"rank {self.rank}" + (f" ({self.vendor})" if self.vendor else "")
@@ -173,7 +195,8 @@ class RankSupervisor:
                     TORCHELASTIC_USE_AGENT_STORE="True", **{REPORT_ENV: str(folder)})
         self._ranks = []
         for r in range(self.nproc):
-            env = dict(base, RANK=str(r), LOCAL_RANK=str(r), ROLE_RANK=str(r))
+            env = dict(base, RANK=str(r), LOCAL_RANK=str(r), ROLE_RANK=str(r),
+                       **{ERROR_FILE_ENV: str(folder / f"rank-{r}.error.json")})
             proc: subprocess.Popen | ForkedRank
             if self.fork:
                 proc = fork_rank(self.cmd[1:], env, pipes=self.output is not None, in_child=_die_with_parent,
@@ -195,6 +218,8 @@ class RankSupervisor:
             for rk in ranks:
                 if rk.code is None:
                     rk.code = rk.proc.poll()
+                    if rk.code is not None:
+                        rk.seen = time.monotonic()
             if all(rk.code == 0 for rk in ranks):
                 return _Outcome(0)
             failed = [rk for rk in ranks if rk.code not in (None, 0)]
@@ -204,8 +229,10 @@ class RankSupervisor:
                 deadline = time.monotonic() + (0.0 if restartable else 1.0 if user_error else self.grace_s)
             if deadline is not None and (all(rk.code is not None for rk in ranks) or time.monotonic() > deadline):
                 break
-            time.sleep(0.05)
+            time.sleep(0.02)  # fine enough that a death and the exits it causes are rarely seen in one pass
         self._stop(ranks, 3.0)
+        if self.output is not None:
+            self.output.drain()  # every stderr line is in, for the cause lines
         return self._verdict(ranks, folder, restartable)
 
     def _stop(self, ranks: list[_Rank], grace: float) -> None:
@@ -222,6 +249,7 @@ class RankSupervisor:
                 self._kill(rk, signal.SIGKILL)
             rk.proc.wait()
             rk.code = rk.proc.returncode
+            rk.seen = min(rk.seen, time.monotonic())
 
     @staticmethod
     def _kill(rk: _Rank, sig: int) -> None:
@@ -257,23 +285,67 @@ class RankSupervisor:
         return _Outcome(128 + sig, [f"stopped by {signal.Signals(sig).name}: all {self.nproc} ranks it started are "
                                     f"stopped{where}."])
 
+    def _cause(self, folder: Path, rank: int) -> str:
+        """The line that says why ``rank`` crashed: its exception from the error file, else (with ``output``) the
+        C++ ``what():`` or Python exception line of its stderr; "" when there is none."""
+        try:
+            data = json.loads(Path(folder, f"rank-{rank}.error.json").read_text())
+            message = data["message"]["message"] if isinstance(data.get("message"), dict) else data["message"]
+            text = str(message)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            text = self.output.cause(rank) if self.output is not None else ""
+        first = next((line.strip() for line in text.splitlines() if line.strip()), "")
+        return first if len(first) <= 300 else first[:297] + "..."
+
     def _verdict(self, ranks: list[_Rank], folder: Path, restartable: bool) -> _Outcome:
+        """One line per failure: the first rank that died (how, its step, its cause), then the ranks that ended
+        after it as one "stopped because rank R died" line, then ranks the launcher had to stop."""
         reports = {rk.rank: self._report(folder, rk.rank) for rk in ranks}
         user = sorted((rep["time"], rep["message"]) for rep in reports.values()
                       if rep.get("status") == 2 and isinstance(rep.get("message"), str))
         if user:  # the same mistake seen by several ranks is one sentence
             return _Outcome(2, [user[0][1]])
-        dead = [rk for rk in ranks if rk.code not in (None, 0) and not reports[rk.rank] and not rk.stopped_by_us]
-        lines = [f"{rk.label()} {_how(rk.code or 0)}{self._steps_text(folder, rk.rank)}"
-                 + ("." if restartable else "; the job stopped.") for rk in dead]
-        said = sorted((rep.get("time", 0.0), rep["message"]) for rep in reports.values()
-                      if isinstance(rep.get("message"), str))
-        lines += [message for _, message in said]
-        slow = [rk for rk in ranks if rk.stopped_by_us and not reports[rk.rank]]
+        said = {r: rep["message"] for r, rep in reports.items() if isinstance(rep.get("message"), str)}
+        ended = [rk for rk in ranks if rk.code not in (None, 0) and not rk.stopped_by_us]
+        # who went first: the launcher's poll order, then a death by signal before an exit (a survivor's exit
+        # follows the death that caused it, possibly within one poll), then a crash before a sentence
+        ended.sort(key=lambda rk: (rk.seen, 0 if (rk.code or 0) < 0 else 1 if rk.rank not in said else 2, rk.rank))
+        end = "." if restartable else "; the job stopped."
+        lines: list[str] = []
+        first = ended[0] if ended and ended[0].rank not in said else None
+        if first is None:  # no rank died: the ranks' own sentences (a stall, a broken link) say why
+            lines += [message for _, message in sorted((reports[r].get("time", 0.0), m) for r, m in said.items())]
+            lines += [f"{rk.label()} {_how(rk.code or 0)}{self._steps_text(folder, rk.rank)}{end}"
+                      for rk in ended if rk.rank not in said]
+        else:
+            cause = self._cause(folder, first.rank)
+            lines.append(f"{first.label()} {_how(first.code or 0)}{self._steps_text(folder, first.rank)}"
+                         + (f" ({cause})" if cause else "") + end)
+            rest = ended[1:] + [rk for rk in ranks if rk.stopped_by_us and rk.rank in said]
+            also = [rk for rk in rest if (rk.code or 0) < 0 and rk.rank not in said]  # died of a signal too
+            if also:
+                how = sorted({_how(rk.code or 0) for rk in also})
+                lines.append(f"{_ranks_text(also)} {'were' if len(also) > 1 else 'was'} also "
+                             f"{' or '.join(h.removeprefix('was ') for h in how)}.")
+            stopped = [rk for rk in rest if rk not in also]
+            if stopped:
+                why = sorted((reports[rk.rank].get("time", 0.0), said[rk.rank]) for rk in stopped if rk.rank in said)
+                crashes = [self._cause(folder, rk.rank) for rk in stopped if rk.rank not in said]
+                detail = why[0][1].rstrip(".") if why else next((c for c in crashes if c), "")
+                lines.append(f"{_ranks_text(stopped)} stopped because rank {first.rank} died"
+                             + (f" (first reason given: {detail})" if detail else "") + ".")
+        slow = [rk for rk in ranks if rk.stopped_by_us and rk.rank not in said]
         if slow:
-            who = ", ".join(rk.label() for rk in slow)
-            lines.append(f"{who} did not stop within {self.grace_s:g} s of the failure and "
+            lines.append(f"{_ranks_text(slow)} did not stop within {self.grace_s:g} s of the failure and "
                          f"{'were' if len(slow) > 1 else 'was'} stopped by the launcher.")
         if not lines:
             lines = ["the job stopped for no reason the ranks gave."]
         return _Outcome(1, lines, restartable=restartable)
+
+
+def _ranks_text(ranks: list[_Rank]) -> str:
+    """"rank 2 (amd)", "ranks 0 (nvidia), 1 (nvidia) and 2 (amd)"."""
+    names = [rk.label().removeprefix("rank ") for rk in sorted(ranks, key=lambda rk: rk.rank)]
+    if len(names) == 1:
+        return f"rank {names[0]}"
+    return f"ranks {', '.join(names[:-1])} and {names[-1]}"

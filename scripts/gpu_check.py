@@ -35,7 +35,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bimetal from this checkout
 
+from bimetal.args import ArgumentParser  # noqa: E402
 from bimetal.bench.steps import Stopped, run_step  # noqa: E402
+from bimetal.entry import run_command  # noqa: E402
+from bimetal.errors import UserError  # noqa: E402
 from bimetal.outputs import scratch_run_folder  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -244,7 +247,7 @@ def hang_rank(out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="scripts/gpu_check.py", description=__doc__.splitlines()[0])
     ap.add_argument("--cpu", action="store_true", help="CPU tensors, staging forced, small sizes (CI)")
     ap.add_argument("--out", default="", help="folder for gpu_check.json (default: a temporary folder)")
     ap.add_argument("--timeout", type=float, default=220.0,
@@ -267,10 +270,9 @@ def main(argv: list[str] | None = None) -> int:
         limits = {"": -1.0}
     if (args.timeout <= 0 or args.budget < 0 or not parts or set(parts) - set(PARTS) or set(limits) - set(PARTS)
             or min(limits.values(), default=1) <= 0):
-        print(f"gpu_check: --timeout must be positive, --budget 0 or more, --only parts of {','.join(PARTS)} and "
-              f"--limits part=seconds (got {args.timeout:g}, {args.budget:g}, {args.only!r}, {args.limits!r})",
-              file=sys.stderr)
-        return 2
+        raise UserError(f"--timeout must be positive, --budget 0 or more, --only parts of {','.join(PARTS)} and "
+                        f"--limits part=seconds (got {args.timeout:g}, {args.budget:g}, {args.only!r}, "
+                        f"{args.limits!r})")
     out = Path(args.out or tempfile.mkdtemp(prefix="bimetal-gpu-check-"))
     out.mkdir(parents=True, exist_ok=True)
     if not args.cpu:
@@ -303,4 +305,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command("gpu-check", main, sys.argv[1:]))

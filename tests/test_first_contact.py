@@ -167,8 +167,10 @@ def test_a_rank_that_dies_is_named_with_its_vendor_signal_and_step(tmp_path: Pat
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert lines[0] == "bimetal train: rank 1 (amd) was killed by SIGKILL after completing step 2; the job stopped.", \
         proc.stderr
-    # the survivor said in its own sentence where it stopped, before the launcher stopped it
-    assert any(line.startswith("bimetal train: rank 0 stopped in step 3") for line in lines[1:]), proc.stderr
+    # the survivor is not reported dead: it stopped because rank 1 died, and where it stopped is its reason
+    assert lines[1].startswith("bimetal train: rank 0 (nvidia) stopped because rank 1 died (first reason given: "
+                               "rank 0 stopped in step 3"), proc.stderr
+    assert len(lines) == 2, proc.stderr
     assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr, proc.stderr
 
 
@@ -233,7 +235,8 @@ BAD_VALUES = {"BIMETAL_SIMULATE": "nvidia", "BIMETAL_LAUNCH_FORK": "yes", "BIMET
               "BIMETAL_DD_FALLBACK": "maybe", "BIMETAL_DD_DEVICE": "gpu0",
               "BIMETAL_DD_DEVICES": "mlx5_0,,mlx5_1", "BIMETAL_DD_REG_CACHE_BYTES": "0", "BIMETAL_THREADS": "1.5",
               "BIMETAL_HOST": " ", "BIMETAL_LAB": " ", "BIMETAL_LAB_RANK_ENV": "[1]",
-              "BIMETAL_FAULT_KILL": "3:x", "BIMETAL_FAULT_STALL": "3:3", "BIMETAL_TRACEBACK": "true",
+              "BIMETAL_FAULT_KILL": "3:x", "BIMETAL_FAULT_KILL_IN_CHECKPOINT": "1",
+              "BIMETAL_FAULT_STALL": "3:3", "BIMETAL_TRACEBACK": "true",
               "BIMETAL_LAUNCH_REPORT": " ", "BIMETAL_IFACES": "eth0,", "BIMETAL_REACH_S": "-1",
               "BIMETAL_TEST_CLAIM_VERSIONS": "1:foo=2"}
 

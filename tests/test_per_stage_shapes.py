@@ -191,7 +191,9 @@ def test_a_tp_leaving_a_node_of_the_cluster_spec_is_refused(tmp_path: Path, caps
                  "--parallel.dp_per_stage=[4,1]", "--data.global_batch_size=16", "--parallel.microbatches=4",
                  f"--parallel.cluster={spec}", "--dry-run"])
     err = capsys.readouterr().err
-    assert code == 2 and "stage 1: parallel.tp_per_stage[1]=8 leaves a node of mi300x" in err, err
+    # the one layout check's sentence, as `bimetal slurm` says it (bimetal.plan.layout_check)
+    assert code == 2 and "stage 1: parallel.tp_per_stage[1]=8 puts ranks [8, 9, 10, 11, 12, 13, 14, 15] on hosts " \
+                         "mi300x-0, mi300x-1; a tensor-parallel group must stay inside one node" in err, err
     assert len(err.strip().splitlines()) == 1, err
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -68,3 +69,77 @@ def test_a_titan_ranks_refusal_goes_to_the_launcher(tmp_path: Path, monkeypatch:
     monkeypatch.delenv("BIMETAL_LAUNCH_REPORT")
     assert rank_main() == 2
     assert capsys.readouterr().err.startswith("bimetal titan: --all-gloo is a reference for simulated runs")
+
+
+_ABORT = """
+import faulthandler, os, signal, sys, threading, time
+threading.Thread(target=time.sleep, args=(60,), daemon=True).start()  # one more thread in the dump
+sys.stderr.write("terminate called after throwing an instance of 'c10::DistBackendError'\\n"
+                 "  what():  writev failed: Bad address\\nException raised from send at pair.cc:42\\n")
+sys.stderr.flush()
+faulthandler.enable(all_threads=True)  # as torch's @record does
+os.kill(os.getpid(), signal.SIGABRT)
+"""
+
+
+def test_a_crash_is_one_line_with_its_cause_not_the_thread_dump(capsys: pytest.CaptureFixture[str]) -> None:
+    """Rank 1 aborts on a C++ exception (its what() line, then faulthandler's dump), rank 2 ends on a Python
+    exception through bimetal's entry point a moment later, rank 0 exits 1 after a while: the launcher's first
+    line names rank 1, SIGABRT and the what(); the others are one line, stopped because rank 1 died, with the
+    Python exception as their first reason; the hidden tail shows the what() and leaves the dump out."""
+    from bimetal.supervisor import RankSupervisor
+
+    code = ("import os, sys, time\nrank = int(os.environ['RANK'])\n"
+            f"if rank == 1:\n    exec({_ABORT!r})\n"
+            "time.sleep(0.5 if rank else 3.0)\n"
+            "if rank == 2:\n    from bimetal.entry import run_command\n"
+            "    run_command('x', lambda argv: [][1], [])\n"
+            "sys.exit(1)\n")
+    err = io.StringIO()
+    output = RankOutput({0}, stdout=io.StringIO(), stderr=err)
+    status = RankSupervisor([sys.executable, "-c", code], 3, dict(os.environ), name="bimetal launch",
+                            vendors=["nvidia", "nvidia", "amd"], output=output, grace_s=120).run()
+    said = capsys.readouterr().err.splitlines()
+    assert status == 1
+    assert said == [
+        "bimetal launch: rank 1 (nvidia) was killed by SIGABRT (writev failed: Bad address); the job stopped.",
+        "bimetal launch: ranks 0 (nvidia) and 2 (amd) stopped because rank 1 died (first reason given: IndexError: "
+        "list index out of range)."], said
+    tail = err.getvalue().split("[rank1]:(the last", 1)[1].split("[rank2]:", 1)[0].splitlines()
+    assert "faulthandler's thread dump left out" in tail[0] and "what():  writev failed" in "\n".join(tail), tail
+    assert not any("Thread 0x" in line or 'File "' in line for line in tail), tail
+    assert output.cause(2) == "IndexError: list index out of range"
+
+
+def test_the_step_record_is_replaced_never_rewritten_in_place(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank killed between the truncation and the write of an in-place rewrite leaves an empty record; a
+    replaced one is the old file or the new one. The old file, held by a second link, keeps its step: the
+    record was renamed over, not truncated."""
+    from bimetal.supervisor import REPORT_ENV, report_step
+
+    monkeypatch.setenv(REPORT_ENV, str(tmp_path))
+    monkeypatch.setenv("RANK", "3")
+    report_step(3)
+    (tmp_path / "old").hardlink_to(tmp_path / "rank-3.step")
+    report_step(4)
+    assert (tmp_path / "rank-3.step").read_text() == "4" and (tmp_path / "old").read_text() == "3"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old", "rank-3.step"]  # no temporary left
+
+
+def test_the_verdict_orders_deaths_and_gives_one_line_per_failure(tmp_path: Path) -> None:
+    """Four ended ranks, read from the launcher's records alone (no processes): rank 1 exited (status 1, no
+    sentence) in the same poll as rank 2 was killed by SIGABRT, rank 3 aborted a poll later and rank 0 said why
+    it stopped. The death by a signal counts first; rank 3 is one "also" line; ranks 0 and 1 one "stopped because"
+    line with rank 0's sentence; no line per rank."""
+    from bimetal.supervisor import RankSupervisor, _Rank
+
+    (tmp_path / "rank-0.json").write_text(json.dumps({"status": 1, "message": "rank 0 stopped in step 3: peer gone.",
+                                                      "time": 5.0}))
+    ranks = [_Rank(0, "nvidia", None, code=1, seen=1.05), _Rank(1, "nvidia", None, code=1, seen=1.0),  # type: ignore[arg-type]
+             _Rank(2, "amd", None, code=-6, seen=1.0), _Rank(3, "amd", None, code=-6, seen=1.02)]  # type: ignore[arg-type]
+    outcome = RankSupervisor(["python"], 4, {})._verdict(ranks, tmp_path, restartable=False)
+    assert outcome.status == 1
+    assert outcome.lines == ["rank 2 (amd) was killed by SIGABRT; the job stopped.",
+                             "rank 3 (amd) was also killed by SIGABRT.",
+                             "ranks 0 (nvidia) and 1 (nvidia) stopped because rank 2 died (first reason given: rank 0 "
+                             "stopped in step 3: peer gone)."], outcome.lines

@@ -116,6 +116,6 @@ def test_component_short_of_a_node_is_refused_before_any_rank(slurm: SlurmCluste
     out = (tmp_path / f"bimetal-{job}.out").read_text().strip()
     assert info.get("ExitCode") == "2:0", out + slurm.logs()
     assert out.splitlines() == [
-        "bimetal slurm: hetjob component 1 (partition amd) has 1 node(s), too few for node group 'amd' "
+        "bimetal slurm check: hetjob component 1 (partition amd) has 1 node(s), too few for node group 'amd' "
         f"(2 x 1 amd MI300X) of cluster spec {tmp_path / 'spec.toml'}; ask for --nodes=2 there, or submit the script "
         "`bimetal slurm` writes for this config, or fix the cluster spec."], out

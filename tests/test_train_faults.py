@@ -119,6 +119,24 @@ def test_killed_rank_without_restarts_stops_every_survivor_with_a_reason(tmp_pat
     assert "group 'pp.dp1'" in errors[1] and "with peer 3" in errors[1], errors[1]
 
 
+def test_rank_killed_while_a_checkpoint_is_written_is_named_and_the_rest_stopped_because_of_it(tmp_path: Path) -> None:
+    """Rank 1 is SIGKILLed while the checkpoint of step 2 is written: the launcher's first sentence names it and
+    the signal, the three others are one line "stopped because rank 1 died" (not reported dead), no rank prints a
+    traceback, and the unfinished checkpoint is not published as step 2."""
+    run_dir = tmp_path / "run"
+    proc = bimetal("train", *COMMON[:2], "--training.steps=2", "--data.seq_len=32", "--parallel.microbatches=2",
+                   "--simulate", "nvidia:2,amd:2", "--checkpoint.every=2", f"--metrics.run_dir={run_dir}",
+                   env=clean_env(BIMETAL_FAULT_KILL_IN_CHECKPOINT="1:2"), timeout=200)
+    said = [line for line in proc.stderr.splitlines() if line.startswith("bimetal train: ")]
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert said[0] == "bimetal train: rank 1 (nvidia) was killed by SIGKILL after completing step 1; the job stopped."
+    assert said[1].startswith("bimetal train: ranks 0 (nvidia), 2 (amd) and 3 (amd) stopped because rank 1 died "
+                              "(first reason given: rank "), said
+    assert "in step 2 during the checkpoint save" in said[1] and len(said) == 2, said
+    assert not (run_dir / "checkpoints" / "step-000002").exists()
+
+
 def test_stalled_rank_stops_every_survivor_within_the_timeout(tmp_path: Path) -> None:
     t0 = time.monotonic()
     errors = _survivors_stop(_start_ranks(tmp_path / "run", {"BIMETAL_FAULT_STALL": "3:3:300"}), 3, t0)

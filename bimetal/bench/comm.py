@@ -36,8 +36,8 @@ from bimetal.sizes import parse_size
 DEFAULT_SIZES = "4K,64K,1M,4M,16M,64M,256M"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(prog="bimetal bench comm", description=__doc__.splitlines()[0])
+def build_parser(prog: str = "bimetal bench comm") -> argparse.ArgumentParser:
+    p = ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default=DEFAULT_SIZES, help=f"message sizes (default {DEFAULT_SIZES})")
     p.add_argument("--iters", type=int, default=5,
                    help="samples per size and variant (at least 200 up to 64 KiB); a sample times 1-32 deliveries")
@@ -60,11 +60,11 @@ def engine_main(argv: list[str]) -> int:
         args += ["--transports", "gloo,cpu-forward,device-direct,dd-engine", "--stripes", "1"]
     if not any(a.startswith("--sizes") for a in args):
         args += ["--sizes", "4K,64M"]
-    return main(args)
+    return main(args, prog="bimetal bench engine")
 
 
-def main(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv: list[str], prog: str = "bimetal bench comm") -> int:
+    args = build_parser(prog).parse_args(argv)
     sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
     args.chunk_bytes = parse_size(args.chunk_bytes) if args.chunk_bytes.strip() else 0
     try:

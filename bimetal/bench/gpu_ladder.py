@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bimetal.args import ArgumentParser
 from bimetal.bench.gpu_ladder_report import CONFIGS, build, markdown
 from bimetal.bench.steps import Stopped, run_step
 from bimetal.errors import UserError
@@ -103,7 +104,7 @@ def launch(out: Path, s: dict[str, Any], cpu: bool, timeout: float) -> str | Non
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="bimetal bench gpu-ladder", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="bimetal bench gpu-ladder", description=__doc__.splitlines()[0])
     p.add_argument("--cpu", action="store_true", help="tiny model on the CPU, same code (CI)")
     p.add_argument("--out", default="runs/gpu-ladder", help="folder for gpu_ladder.json/.md and the logs")
     p.add_argument("--configs", default=CONFIGS, help="which configurations (default abcde; (b) is the reference "

@@ -27,7 +27,6 @@ The netlink messages are built by hand (nfnetlink_queue's config, packet and bat
 
 from __future__ import annotations
 
-import argparse
 import collections
 import contextlib
 import os
@@ -37,6 +36,8 @@ import socket
 import struct
 import sys
 import time
+
+from bimetal.args import ArgumentParser
 
 NETLINK_NETFILTER = 12
 _SUBSYS_QUEUE = 3 << 8
@@ -131,7 +132,7 @@ def serve(queue: int, delay_s: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bimetal.lab.delay", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="python -m bimetal.lab.delay", description=__doc__.splitlines()[0])
     p.add_argument("--queue", type=int, required=True, help="NFQUEUE queue number (the NIC's index)")
     p.add_argument("--delay-ms", type=float, required=True, help="how long each packet is held")
     args = p.parse_args(argv)
@@ -142,4 +143,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from bimetal.entry import run_command
+
+    sys.exit(run_command("lab delay", main, sys.argv[1:]))

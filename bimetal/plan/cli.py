@@ -192,6 +192,12 @@ def _check_options(a: argparse.Namespace) -> None:
     if a.explain and a.json:
         raise UserError("--explain prints a table beside the text report; with --json the breakdown is its "
                         "'best_breakdown' field: drop one of them.")
+    if (a.per_stage or a.explain) and (a.config or a.pp or a.ladder):  # options of the search, not of one layout
+        which = "--config" if a.config else "--ladder" if a.ladder else f"--pp {a.pp}"
+        flag, what = ("--per-stage", "searches each island's own shape") if a.per_stage else \
+            ("--explain", "compares the search's best plans")
+        raise UserError(f"{flag} {what}, but {which} fixes the layout to evaluate; drop {flag}, or drop {which} to "
+                        "search.")
     if (a.json or a.top is not None) and (a.config or a.pp or a.ladder):
         which = "--json" if a.json else "--top"
         raise UserError(f"{which} shapes the report of a search; --config/--pp/--ladder print one layout's table, "
@@ -290,6 +296,14 @@ def _views(a: argparse.Namespace) -> int:
     if lay["global_batch"] % (lay["dp"] * lay["micro_batch"]):
         raise UserError(f"{where}global batch {lay['global_batch']} is not a multiple of dp x micro-batch "
                         f"({lay['dp']} x {lay['micro_batch']}).")
+    if lay["pp"] * lay["dp"] * lay["tp"] == spec.total_gpus:  # the one layout check, as train and slurm run it
+        from bimetal.parallel.layout import ParallelDims
+        from bimetal.plan.layout_check import check_on_spec
+
+        try:  # the planner prices data parallelism across vendors (pp=1 on a mixed cluster) too
+            check_on_spec(ParallelDims(pp=lay["pp"], dp=lay["dp"], tp=lay["tp"], allow_cross_vendor_dp=True), spec)
+        except UserError as exc:
+            raise UserError(f"{where}{exc}") from None
     p = evaluate(spec, lay["model"], lay["seq"], lay["global_batch"], lay["pp"], lay["dp"], lay["tp"],
                  lay["micro_batch"], lay["transport"], split, lay["dp_shard"], lay["ac"],
                  dp_transport=lay["dp_transport"], homogeneous=lay["homogeneous"], nics=a.nics)

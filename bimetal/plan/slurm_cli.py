@@ -21,6 +21,7 @@ import sys
 import tomllib
 from pathlib import Path
 
+from bimetal.args import ArgumentParser
 from bimetal.config import TrainConfig
 from bimetal.errors import UserError
 from bimetal.outputs import check_file, write_text
@@ -30,7 +31,7 @@ from bimetal.topology.slurm import Island, check_allocation, read_job
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="bimetal slurm", description=__doc__.splitlines()[0],
+    p = ArgumentParser(prog="bimetal slurm", description=__doc__.splitlines()[0],
                                 epilog="Other arguments: --section.key=value overrides of the train config, or "
                                        "(with --titan) torchtitan's arguments after --.")
     p.add_argument("--config", help="the `bimetal train` config TOML")
@@ -76,8 +77,8 @@ def _pick(table: dict[str, str], isl: Island) -> str | None:
 def _stages(cfg: TrainConfig, parts: list[Island], spec: ClusterSpec) -> list[str]:
     """Each component's stages; refuses (one sentence) a layout the spec's nodes cannot hold (per-stage shapes
     included: each stage on its own island)."""
-    from bimetal.parallel.layout import ParallelDims, plan_layout
-    from bimetal.topology.records import ClusterView, RankRecord
+    from bimetal.parallel.layout import ParallelDims
+    from bimetal.plan.layout_check import check_on_spec
 
     p = cfg.parallel
     what = ("the per-stage layout" if cfg.per_stage
@@ -86,13 +87,7 @@ def _stages(cfg: TrainConfig, parts: list[Island], spec: ClusterSpec) -> list[st
     if need != have:
         raise UserError(f"{what} needs {need} ranks but {spec.path} has {have} GPUs; one rank runs per GPU, so make "
                         "them match.")
-    records, rank = [], 0
-    for isl in parts:
-        for node in range(isl.nodes):
-            for local in range(isl.gpus_per_node):
-                records.append(RankRecord(rank, local, f"{isl.name}-{node}", isl.vendor, isl.gpu, 0))
-                rank += 1
-    layout = plan_layout(ClusterView(records), ParallelDims.from_config(cfg))
+    layout = check_on_spec(ParallelDims.from_config(cfg), spec, parts)
     out = []
     for ranks in rank_ranges(parts):
         held = sorted({layout.coords(r)[0] for r in ranks})
@@ -188,7 +183,7 @@ def _read_plan(path: str) -> dict:
 
 def check_main(argv: list[str]) -> int:
     """``bimetal slurm check --cluster SPEC [--groups a,b]``: inside a job, its allocation against the spec."""
-    p = argparse.ArgumentParser(prog="bimetal slurm check", description=check_main.__doc__)
+    p = ArgumentParser(prog="bimetal slurm check", description=check_main.__doc__)
     p.add_argument("--cluster", required=True, help="cluster spec TOML")
     p.add_argument("--groups", help="node groups in component order (default: the trainer's order)")
     a = p.parse_args(argv)

@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
+from bimetal import faults
 from bimetal.errors import UserError
 from bimetal.train.ckpt_files import (
     MARKER,
@@ -128,6 +129,7 @@ def save(folder: str | Path, step: int, state: dict[str, Any], extra: dict[str, 
         sums = {str(f.relative_to(tmp)): crc32(f) for f in sorted((tmp / shard).rglob("*")) if f.is_file()}
         (tmp / f".sums-rank{rank}.json").write_text(json.dumps(sums))
     (tmp / f"extra-rank{rank}.json").write_text(json.dumps(extra))
+    faults.in_checkpoint(rank, step)  # fault injection for the reliability tests; no-op unless configured
     _barrier(group)
     if rank == 0:
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))

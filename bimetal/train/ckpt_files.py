@@ -67,10 +67,14 @@ def _setting(cfg: TrainConfig, key: str) -> Any:
 def run_meta(cfg: TrainConfig, split: list[int]) -> dict[str, Any]:
     """``meta.json`` of a checkpoint of ``cfg`` with stage split ``split``."""
     p = cfg.parallel
-    return {"family": cfg.model.family, "flavour": cfg.model.flavour, "layers_per_stage": split, "dp": p.dp,
-            "dp_shard": p.dp_shard, "tp": p.tp,
-            # per-stage layouts: [tp, dp, dp_shard] of each stage (None: the uniform keys above say it all)
-            "stage_shapes": [list(s) for s in cfg.stage_shapes()] if cfg.per_stage else None,
+    # a per-stage layout records its [tp, dp, dp_shard] of each stage and no uniform key (a uniform key beside a
+    # per-stage list is overridden by it: recording it would record a value the run did not use); a uniform
+    # layout records the uniform keys and stage_shapes None
+    uniform = not cfg.per_stage
+    return {"family": cfg.model.family, "flavour": cfg.model.flavour, "layers_per_stage": split,
+            "dp": p.dp if uniform else None, "dp_shard": p.dp_shard if uniform else None,
+            "tp": p.tp if uniform else None,
+            "stage_shapes": None if uniform else [list(s) for s in cfg.stage_shapes()],
             "trajectory": {k: _setting(cfg, k) for k in TRAJECTORY}}
 
 
@@ -300,6 +304,8 @@ def check_meta(path: Path, meta: dict[str, Any], accept_changes: bool = False,
     settings of its trajectory unless ``accept_changes`` (then ``note`` gets one sentence listing them)."""
     saved = saved_meta(path)
     for key in LAYOUT:
+        if key in ("dp", "dp_shard", "tp") and (saved.get("stage_shapes") or meta.get("stage_shapes")):
+            continue  # per-stage (either run): stage_shapes says it all (older checkpoints recorded the keys too)
         was, now = saved.get(key, _META_DEFAULTS.get(key)), meta.get(key, _META_DEFAULTS.get(key))
         if was != now:
             raise UserError(f"checkpoint {path} is for {key}={was!r} but this run has {key}={now!r}; point "

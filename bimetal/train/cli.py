@@ -38,7 +38,7 @@ def main(argv: list[str]) -> int:
     if ns.dry_run:
         from bimetal.train.dryrun import dry_run
 
-        return dry_run(job.cfg, ns.json, local=job.local)
+        return dry_run(job.cfg, ns.json, local=job.local, device_type=job.device_type)
     if "RANK" in os.environ:
         if slurm_job is not None:
             check_slurm(job.cfg, slurm_job)

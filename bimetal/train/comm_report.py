@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from bimetal.outputs import write_text
 from bimetal.parallel.groups import HOP
 from bimetal.parallel.pipeline_groups import REVERSE
 from bimetal.transports import PER_HOP
@@ -52,5 +53,5 @@ def write_comm_report(run_dir: str | Path, ctx: Any) -> Path:
     """``<run_dir>/comm-rank<R>.json`` for this rank; returns its path."""
     path = Path(run_dir) / f"comm-rank{ctx.rank}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"rank": ctx.rank, "vendor": ctx.vendor, "groups": comm_records(ctx)}, indent=1))
+    write_text(path, json.dumps({"rank": ctx.rank, "vendor": ctx.vendor, "groups": comm_records(ctx)}, indent=1))
     return path

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from bimetal.errors import UserError
+from bimetal.schema import not_a_file
 from bimetal.train.tokenizer import ByteTokenizer, HFJsonTokenizer
 
 SHIPPED_CORPUS = Path(__file__).resolve().parent.parent / "data" / "tinyshakespeare.txt"
@@ -28,8 +29,9 @@ def load_tokens(path: str, tokenizer: ByteTokenizer | HFJsonTokenizer, bin_dtype
     (uint16/uint32), so a corpus larger than memory costs only the windows a replica reads.
     """
     p = Path(path) if path else SHIPPED_CORPUS
-    if not p.is_file():
-        raise UserError(f"data file {p} does not exist; set data.path to a text, .jsonl or .bin file.")
+    why = not_a_file(p)
+    if why:
+        raise UserError(f"data file {p} {why}; set data.path to a text, .jsonl or .bin file.")
     if p.suffix == ".bin":
         dtype = np.dtype(bin_dtype)
         if p.stat().st_size % dtype.itemsize:
@@ -41,6 +43,8 @@ def load_tokens(path: str, tokenizer: ByteTokenizer | HFJsonTokenizer, bin_dtype
     except UnicodeDecodeError as exc:
         raise UserError(f"data file {p} is not UTF-8 text (byte {exc.start} is not); give a text, .jsonl or "
                         ".bin token file as data.path.") from None
+    except OSError as exc:
+        raise UserError(f"data file {p} cannot be read ({exc.strerror or exc}); check its permissions.") from None
     if p.suffix == ".jsonl":
         ids: list[int] = []
         for n, line in enumerate(text.splitlines(), 1):

@@ -70,6 +70,9 @@ def stage_devices(cfg: TrainConfig) -> list[tuple[str, int]]:
     p = cfg.parallel
     if not p.cluster:
         return [("unknown", 0)] * p.pp
+    from bimetal.parallel.layout import ParallelDims
+    from bimetal.plan.layout_check import check_on_spec, spec_view
+    from bimetal.plan.sbatch import islands
     from bimetal.plan.spec import load_spec
 
     spec = load_spec(p.cluster)
@@ -79,20 +82,16 @@ def stage_devices(cfg: TrainConfig) -> list[tuple[str, int]]:
                 else f"parallel.pp*dp*tp = {p.pp}*{p.dp}*{p.tp} =")
         raise UserError(f"{what} {sum(widths)} GPUs but cluster {p.cluster} has {spec.total_gpus}; match the "
                         "layout to the cluster.")
-    owner = [g for g in spec.groups for _ in range(g.gpus)]  # GPU index -> its node group, in file order
+    try:  # the one layout check (a tp group leaving a node, a stage across vendors), as `bimetal slurm` runs it
+        layout = check_on_spec(ParallelDims.from_config(cfg), spec)
+    except UserError as exc:
+        raise UserError(f"parallel.cluster {p.cluster}: {exc}") from None
+    groups_by_host = {f"{g.name}-{n}": g for g in spec.groups for n in range(g.count)}
+    view = spec_view(islands(spec))
     out = []
     for j in range(p.pp):
-        at = sum(widths[:j])
-        groups = {id(g): g for g in owner[at:at + widths[j]]}.values()
-        if cfg.per_stage and len({g.vendor for g in groups}) > 1:
-            raise UserError(f"stage {j}: its {widths[j]} GPUs (parallel.dp_per_stage x tp_per_stage) would span "
-                            f"vendors on cluster {p.cluster}; make each stage's shape fit its island.")
-        tp = cfg.stage_shapes()[j][0]
-        node = next((g for g in groups if g.gpus_per_node % tp), None)
-        if cfg.per_stage and node is not None:
-            raise UserError(f"stage {j}: parallel.tp_per_stage[{j}]={tp} leaves a node of {node.name} "
-                            f"({node.gpus_per_node} GPUs per node) on cluster {p.cluster}; a tensor-parallel group "
-                            "stays inside one node, so choose a tp that divides the GPUs per node.")
+        stage_ranks = [r for replica in layout.mesh[j] for r in replica]
+        groups = {id(g): g for g in (groups_by_host[view.host_of(r)] for r in stage_ranks)}.values()
         small = min(groups, key=lambda g: g.memory_bytes)
         name = small.gpu if len({g.gpu for g in groups}) == 1 else "/".join(sorted({g.gpu for g in groups}))
         out.append((name, small.memory_bytes))
@@ -209,7 +208,7 @@ def report(cfg: TrainConfig) -> list[StageMemory]:
     return [stage_memory(cfg, j, devices[j]) for j in range(cfg.parallel.pp)]
 
 
-def format_report(cfg: TrainConfig, stages: list[StageMemory]) -> str:
+def format_report(cfg: TrainConfig, stages: list[StageMemory], chosen: str = "") -> str:
     """The report as a table, in GB (MB when every stage is under 1 GB, e.g. the debug flavour)."""
     p, ac = cfg.parallel, cfg.activation_checkpoint
     unit, scale = ("GB", 1e9) if max(s.total for s in stages) >= 1e9 else ("MB", 1e6)
@@ -217,9 +216,11 @@ def format_report(cfg: TrainConfig, stages: list[StageMemory]) -> str:
     def _gb(x: int) -> str:
         return f"{x / scale:.1f}"
 
-    dtype = "float32" if cfg.training.dtype == "float32" else (
-        "bf16 (FSDP gathers bf16 weights)" if max(sh for _, _, sh in cfg.stage_shapes()) > 1 else "bf16 autocast") + \
-        ", float32 master weights and AdamW" + \
+    # what the ranks compute in, as the trainer decides it (``chosen``: how training.dtype auto was resolved)
+    fsdp = max(sh for _, _, sh in cfg.stage_shapes()) > 1
+    dtype = ("float32, no autocast" if cfg.training.dtype == "float32" else
+             "bf16 (FSDP gathers bf16 weights), float32 master weights and AdamW" if fsdp else
+             "bf16 autocast, float32 master weights and AdamW") + (f" ({chosen})" if chosen else "") + \
         (f", stage boundary {'bf16' if boundary_size(cfg) == 2 else 'float32'}" if p.pp > 1 else "")
     if cfg.per_stage:
         shape = f"pp={p.pp} stages " + " | ".join(
@@ -252,18 +253,28 @@ def format_report(cfg: TrainConfig, stages: list[StageMemory]) -> str:
     return "\n".join(lines)
 
 
-def dry_run(cfg: TrainConfig, as_json: bool = False, local: bool = True) -> int:
+def dry_run(cfg: TrainConfig, as_json: bool = False, local: bool = True, device_type: str = "cuda") -> int:
     """Print the report of a config ``bimetal.train.prepare`` passed; 0 when every stage fits (or no device is
     known), 1 when one does not. ``local``: its ranks would run here, so the files they read and write were
-    checked too (else the report says they are left to the ranks)."""
+    checked too (else the report says they are left to the ranks). ``device_type``: what the ranks compute on
+    (``Job.device_type``), which decides what ``training.dtype = "auto"`` trains in: the report sizes and names
+    the dtype, autocast and boundary of that run, as the trainer will (``TrainConfig.compute_dtype``)."""
+    chosen = ""
+    if cfg.training.dtype == "auto":
+        chosen = f"training.dtype auto on {'GPUs' if device_type == 'cuda' else 'the ' + device_type.upper()}"
+        cfg = replace(cfg, training=replace(cfg.training, dtype=cfg.compute_dtype(device_type)))
     stages = report(cfg)
     hops = hop_report(cfg) if len(stages) == cfg.parallel.pp else []
     if as_json:
-        out: dict[str, Any] = {"reserve": MEMORY_RESERVE, "files_checked": local, "stages": [
+        bf16 = cfg.training.dtype == "bfloat16"  # resolved above: what the ranks compute in
+        out: dict[str, Any] = {"reserve": MEMORY_RESERVE, "files_checked": local, "dtype": {
+            "compute": cfg.training.dtype, "autocast": bf16, "device": device_type,
+            "boundary": ("bfloat16" if boundary_size(cfg) == 2 else "float32") if cfg.parallel.pp > 1 else None},
+            "stages": [
             asdict(s) | {"total": s.total, "fits": s.fits} for s in stages], "hops": [asdict(h) for h in hops]}
         print(json.dumps(out, indent=1))
     else:
-        print(format_report(cfg, stages))
+        print(format_report(cfg, stages, chosen))
         if hops:
             print(f"pipeline hops on {cfg.parallel.cluster}, each on its own link (per step: an activation and its "
                   "gradient per microbatch):\n" + "\n".join(format_hops(hops, cfg.parallel.microbatches)))

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bimetal.outputs import write_text
 from bimetal.topology import devices
 
 
@@ -121,7 +122,7 @@ class StepMetrics:
             out["transport"]["stripes_dead"] = steps[-1]["stripes_dead"]
             out["transport"]["bytes_per_stripe"] = [sum(col) for col in zip(*(t["bytes_per_stripe"] for t in steps))]
         if self.rank == 0:
-            (self.path.parent / "summary.json").write_text(json.dumps(out, indent=1))
+            write_text(self.path.parent / "summary.json", json.dumps(out, indent=1))  # whole, or the old one
             if self._tb is not None:
                 self._tb.close()
         return out

@@ -59,6 +59,20 @@ class Job:
     """The sentence that says which layout was chosen, printed when the job starts."""
     local: bool = True
     """Its ranks run on this machine (or it is one rank): the files they read and write were checked here."""
+    device_type: str = "cuda"
+    """What its ranks compute on: ``cpu`` or ``cuda`` (``ranks_device_type``)."""
+
+
+def ranks_device_type(simulate: str | None, local: bool) -> str:
+    """What the ranks of a job compute on: a simulated job's (the CPU, or GPU 0 with
+    ``BIMETAL_SIMULATE_DEVICE=cuda``) or this machine's for one process here, by the trainer's own rule
+    (``bimetal.topology.local_device.rank_device``); a GPU for a torchrun job whose ranks run elsewhere."""
+    if not local:
+        return "cuda"
+    from bimetal.topology.local_device import rank_device
+    from bimetal.topology.vendor import SIMULATE_ENV
+
+    return rank_device({**os.environ, **({SIMULATE_ENV: simulate} if simulate else {})}).type
 
 
 def add_options(parser: argparse.ArgumentParser) -> None:
@@ -229,7 +243,10 @@ def prepare(ns: argparse.Namespace, rest: list[str]) -> Job:
         (["--checkpoint.resume_changed=true"] if ns.resume_changed else [])
     try:
         auto, note = _auto_layout(ns, overrides, vendors) if vendors and not in_rank else ([], "")
-        cfg = load_config(ns.config, overrides + auto)  # names the file for a bad value set there
+        notes: list[str] = []  # a per-stage list on the command line over the file's uniform key, said once
+        cfg = load_config(ns.config, overrides + auto, notes)  # names the file for a bad value set there
+        if not in_rank or (os.environ.get("RANK") == "0" and REPORT_ENV not in os.environ):  # said once per job
+            note = "\n".join([note] * bool(note) + [f"bimetal train: {n}." for n in notes])
         return _checked(ns, cfg, vendors, in_rank, auto, note)
     except UserError as exc:
         raise blame_file(exc, ns.config, overrides) from None
@@ -270,4 +287,4 @@ def _checked(ns: argparse.Namespace, cfg: TrainConfig, vendors: list[str], in_ra
         check_data(cfg)
         check_outputs(cfg)
         check_checkpoints(cfg)
-    return Job(cfg, vendors, auto, note, local)
+    return Job(cfg, vendors, auto, note, local, ranks_device_type(ns.simulate, local))

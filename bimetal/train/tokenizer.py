@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Protocol
 
 from bimetal.errors import UserError
+from bimetal.schema import not_a_file
 
 
 class Tokenizer(Protocol):
@@ -37,8 +38,9 @@ class HFJsonTokenizer:
 
     def __init__(self, path: str | Path) -> None:
         p = Path(path)
-        if not p.is_file():
-            raise UserError(f"tokenizer file {p} does not exist; "
+        why = not_a_file(p)
+        if why:
+            raise UserError(f"tokenizer file {p} {why}; "
                             "set data.tokenizer to 'byte' or a tokenizer.json path.")
         from tokenizers import Tokenizer as _Tok
 

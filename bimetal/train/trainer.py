@@ -80,11 +80,9 @@ def _during(rank: int, step: int, phase: str, group: str | None) -> Iterator[Non
         raise JobAborted(f"rank {rank} stopped in step {step} during the {phase}{where}: {reason}") from exc
 
 
-def _autocast_dtype(dtype: str, device: torch.device) -> torch.dtype | None:
-    """bf16 autocast on GPUs by default; float32 on the CPU unless asked for bf16."""
-    if dtype == "bfloat16" or (dtype == "auto" and device.type == "cuda"):
-        return torch.bfloat16
-    return None
+def _autocast_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype | None:
+    """bf16 autocast on GPUs by default; float32 on the CPU unless asked for bf16 (``TrainConfig.compute_dtype``)."""
+    return torch.bfloat16 if cfg.compute_dtype(device.type) == "bfloat16" else None
 
 
 class _XvendorMeter:
@@ -176,8 +174,9 @@ def _write_memory(run_dir: str, rank: int, sizes: dict[str, int]) -> None:
     import json
     from pathlib import Path
 
-    Path(run_dir).mkdir(parents=True, exist_ok=True)
-    (Path(run_dir) / f"memory-rank{rank}.json").write_text(json.dumps(sizes))
+    from bimetal.outputs import write_text
+
+    write_text(Path(run_dir) / f"memory-rank{rank}.json", json.dumps(sizes))  # whole or not at all
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
@@ -266,7 +265,7 @@ def _run(cfg: TrainConfig, ctx: Any, smesh: Any, models: Any, args: Any, split: 
     stage, n_stages = (ctx.stage, ctx.num_stages) if ctx else (0, 1)
     dp_rank, dp_size = (ctx.dp_rank, ctx.dp_size) if ctx else (0, 1)
     rank = ctx.rank if ctx else 0
-    amp = _autocast_dtype(cfg.training.dtype, device)
+    amp = _autocast_dtype(cfg, device)
     family = cfg.model.family
     model, local, mesh = _build_stage(cfg, ctx, models, args, split, stage, n_stages, device, amp, smesh)
     opt = build_optimizer(model, cfg.optim)
@@ -421,7 +420,8 @@ def _run(cfg: TrainConfig, ctx: Any, smesh: Any, models: Any, args: Any, split: 
             if local_shards:  # no gather; their layout goes into this rank's JSON
                 state = to_local(state, shards)
                 extra["shards"] = {"part": part, "dim": 0, "count": smesh.dp_shard, "tensors": shards}
-            checkpoint.save(folder, step + 1, state, extra, meta, rank, shard=part, writer=writer)
+            with _during(rank, step + 1, "checkpoint save", None):  # a peer that dies meanwhile: one sentence
+                checkpoint.save(folder, step + 1, state, extra, meta, rank, shard=part, writer=writer)
             if rank == 0:
                 checkpoint.prune(folder, cfg.checkpoint.keep_last)
         report_step(step + 1)  # for the launcher's sentence if this rank dies; no-op outside bimetal's launcher

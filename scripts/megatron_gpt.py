@@ -15,15 +15,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from typing import Any
 
 import torch
 
 import bimetal.integrations.megatron as bimetal_megatron
+from bimetal.args import ArgumentParser
+from bimetal.entry import run_command
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="scripts/megatron_gpt.py", description=__doc__.splitlines()[0])
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     p.add_argument("--vpp", type=int, default=None, help="virtual stages per pipeline rank (interleaved schedule)")
@@ -170,4 +173,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_command("megatron", main, sys.argv[1:]))

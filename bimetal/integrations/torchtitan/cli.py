@@ -16,9 +16,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import io
 import logging
 import logging.handlers
 import os
+import re
 import sys
 import tomllib
 import warnings
@@ -60,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _given(args: list[str], key: str) -> bool:
     return any(a == f"--{key}" or a.startswith(f"--{key}=") for a in args)
 
+
+RANK_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+"""torchrun's contract (``srun`` tasks get it from ``bimetal.topology.slurm``): a rank needs all of it."""
 
 PER_STAGE = ("tp_per_stage", "dp_per_stage", "dp_shard_per_stage")
 """bimetal train's per-stage shape keys: torchtitan's meshes are uniform, so ``bimetal titan`` refuses them."""
@@ -114,14 +119,7 @@ def _dump_folder(titan_args: list[str]) -> str:
 def load_config(titan_args: list[str], cpu: bool, split: list[int] | None) -> Any:
     """torchtitan's config from its own parser, then the split (recomputed for the schedule in use: a plan's
     per-rank counts also fit an interleaved run) and, on CPU, the attention stand-in."""
-    from torchtitan.config import ConfigManager
-
-    try:
-        config = ConfigManager().parse_args(titan_args)
-    except SystemExit as exc:
-        raise UserError(f"torchtitan did not accept the arguments {' '.join(titan_args)!r}") from exc
-    except (ValueError, ImportError) as exc:
-        raise UserError(f"torchtitan: {exc}") from exc
+    config = parse_titan_args(titan_args)
     par = config.parallelism
     if split is not None:
         from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
@@ -141,6 +139,75 @@ def load_config(titan_args: list[str], cpu: bool, split: list[int] | None) -> An
 
         cpu_support.use_sdpa_attention(config.model_spec.model)
     return config
+
+
+_BOX_RULE = re.compile(r"^[\s\u2500-\u257f+|-]*$")
+"""A line of tyro's error box that is all border (rich draws it with box characters, or ASCII off a terminal)."""
+
+
+def parse_titan_args(titan_args: list[str]) -> Any:
+    """torchtitan's ``ConfigManager().parse_args``; what it refuses becomes one sentence (``UserError``).
+
+    tyro, torchtitan's parser, prints a box of a dozen lines or more (title, message, help text, the program's
+    whole argument list for a misspelled key) and exits: the box is caught and read for its message and tyro's
+    suggestion, which name only what the user typed (``Unrecognized options: --training.step=2``, ``Perhaps you
+    meant: --training.steps``)."""
+    from torchtitan.config import ConfigManager
+
+    box = io.StringIO()
+    try:
+        # a wide page, so rich does not wrap the message inside the box
+        with _environ(COLUMNS="4000"), contextlib.redirect_stderr(box), contextlib.redirect_stdout(box):
+            return ConfigManager().parse_args(titan_args)
+    except SystemExit as exc:
+        if not exc.code:  # --help: tyro's page is what was asked for
+            sys.stdout.write(box.getvalue())
+            raise
+        raise UserError(_box_sentence(box.getvalue())) from None
+    except (ValueError, ImportError) as exc:
+        raise UserError(f"torchtitan: {exc}") from exc
+
+
+def _box_sentence(text: str) -> str:
+    """One sentence from tyro's error box: its first message line, plus the first option it suggests."""
+    parts: list[list[str]] = [[]]
+    for raw in text.splitlines():
+        line = raw.strip().strip("\u2502|").strip()
+        if _BOX_RULE.match(raw) or not line:
+            if parts[-1]:
+                parts.append([])
+            continue
+        parts[-1].append(line)
+    # parts: [title], [message...], [help or suggestions...], ...; lines logged before the box come first
+    titled = [i for i, p in enumerate(parts) if p and p[-1] in _TYRO_TITLES]
+    body = parts[titled[0] + 1:] if titled else parts
+    message = " ".join(body[0]) if body and body[0] else "torchtitan refused its arguments"
+    sentence = f"torchtitan: {message.rstrip('.')}"
+    for part in body[1:]:
+        if part and part[0].startswith("Perhaps you meant"):
+            options = [w for line in part[1:] for w in line.split() if w.startswith("--")]
+            if options:
+                sentence += f"; did you mean {options[0]}?"
+                return sentence
+    return sentence + "."
+
+
+_TYRO_TITLES = ("Value error", "Unrecognized options", "Missing argument", "Parsing error", "Required options",
+                "Invalid subcommand", "Missing subcommand", "Ambiguous option")
+
+
+@contextlib.contextmanager
+def _environ(**values: str) -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def check_supported(config: Any, world: int) -> None:
@@ -167,10 +234,12 @@ def _module_name(titan_args: list[str]) -> str:
 
 
 @contextlib.contextmanager
-def held_back(drop: str = "") -> Iterator[None]:
+def held_back(show: bool = True) -> Iterator[None]:
     """What torchtitan (and torch) log or warn while bimetal checks a run is held back: shown once every check
-    passed (but lines containing ``drop``, a warning bimetal makes moot), dropped when one refuses the run, so
-    a refusal is its one sentence. torchtitan logs through the root logger."""
+    passed (each message once: torchtitan builds its config twice, from the ``--config`` function and again in its
+    parser, and a note about a default comes from each), dropped when one refuses the run, so a refusal is its one
+    sentence. ``show=False``: dropped in any case (the launcher of a simulated job, whose ranks parse the same
+    arguments and log the same lines, prefixed with their rank). torchtitan logs through the root logger."""
     root = logging.getLogger()
     buffer = logging.handlers.BufferingHandler(capacity=1 << 16)
     saved, root.handlers = root.handlers, [buffer]
@@ -185,9 +254,14 @@ def held_back(drop: str = "") -> Iterator[None]:
         finally:
             # torchtitan's init_logger, run inside, replaces the handlers: keep its; else put ours back
             root.handlers = saved if root.handlers == [buffer] else [h for h in root.handlers if h is not buffer]
+    if not show:
+        return
     handlers = root.handlers or ([logging.lastResort] if logging.lastResort else [])
+    seen: set[tuple[int, str]] = set()
     for record in buffer.buffer:
-        if not (drop and drop in record.getMessage()) and record.levelno >= root.getEffectiveLevel():
+        key = (record.levelno, record.getMessage())
+        if key not in seen and record.levelno >= root.getEffectiveLevel():
+            seen.add(key)
             for handler in handlers:
                 if record.levelno >= handler.level:
                     handler.handle(record)
@@ -237,6 +311,12 @@ def main(argv: list[str]) -> int:
         if not torch.cuda.is_available():
             raise UserError(f"without --simulate or --cpu this is one rank of a GPU job, but this torch "
                             f"({torch.__version__}) sees no GPU; add --simulate (e.g. nvidia:1,amd:1) or --cpu.")
+    missing = [k for k in RANK_ENV if not os.environ.get(k)]
+    if missing:
+        raise UserError(f"without --simulate this process is one rank of a job that torchrun or srun starts, but "
+                        f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set; start it with "
+                        "`torchrun --nproc-per-node N -m bimetal.integrations.torchtitan ...`, or add --simulate "
+                        "(e.g. nvidia:1,amd:1) to run on this machine's CPU.")
     return run_rank(titan_args, cpu=cpu, split=split,
                     pp_transport=pp_transport, all_gloo=opts.all_gloo)
 
@@ -275,7 +355,7 @@ def _launch_simulated(opts: argparse.Namespace, titan_args: list[str], split: li
         titan_args = [f"--dataloader.dataset_path={data_dir}"] + titan_args
     if not _given(titan_args, "training.disable_cuda_graphs"):  # no CUDA graphs on CPU
         titan_args = ["--training.disable_cuda_graphs"] + titan_args
-    with held_back(drop=f"HF assets path {tok_dir} does not exist"):  # written below, once the checks pass
+    with held_back(show=False):  # the ranks log the same; the assets are written below, once the checks pass
         config = load_config(titan_args, cpu=True, split=split)
         check_supported(config, len(vendors))
         check_outputs(config)

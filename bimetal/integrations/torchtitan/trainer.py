@@ -16,9 +16,10 @@ Public extension points only, apart from ``_torch_hooks``:
 * ``BimetalTrainer.train_step`` notes each completed step for bimetal's launcher (a crashed rank is named with its
   last step) and runs bimetal's fault injection (``bimetal.faults``; nothing unless its variable is set).
 
-After training, ``report`` writes ``<dump_folder>/bimetal/rank<r>.json``: per-step losses (on ranks that
-hold the last stage), and every mesh dimension's back-end, ranks and (for bimetal transports) byte counters; a
-per-hop pp group lists each of this rank's pairs (``hops``) and its collectives group.
+After training, ``report`` writes ``<dump_folder>/bimetal/rank<r>.json``: the per-step losses this rank logged
+(on every rank: a stage before the last logs the last stage's), whether it holds the last stage, and every mesh
+dimension's back-end, ranks and (for bimetal transports) byte counters; a per-hop pp group lists each of this
+rank's pairs (``hops``) and its collectives group.
 """
 
 from __future__ import annotations
@@ -161,7 +162,7 @@ class BimetalTrainer(Trainer):
         out = Path(self.config.dump_folder) / "bimetal" / f"rank{rank}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({"rank": rank, "vendor": detect_vendor(rank), "last_stage": bool(last),
-                                   "losses": self.losses if last else [], "groups": groups}, indent=1))
+                                   "losses": self.losses, "groups": groups}, indent=1))
         return out
 
 

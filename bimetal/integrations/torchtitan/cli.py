@@ -210,11 +210,26 @@ def _environ(**values: str) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def check_supported(config: Any, world: int) -> None:
+CP_ON_CPU = ("context parallelism (parallelism.context_parallel_degree > 1) cannot run on a CPU: torchtitan shards "
+             "attention over cp only as FlexAttention (no backward on CPU) or SDPA through torch's context-parallel "
+             "dispatcher, which in torch {torch} handles the GPU kernels alone (flash, efficient, cuDNN), not the "
+             "CPU's _scaled_dot_product_flash_attention_for_cpu; run it on GPUs.")
+"""Measured: the ranks of a cp=2 job on ``ScaledDotProductAttention`` fail with "Operator
+aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding strategy registered"."""
+
+
+def check_supported(config: Any, world: int, cpu: bool = False) -> None:
     """Refuse, in one sentence, a combination measured to fail with torch 2.13 (rather than a traceback later)."""
     import torch
 
     par = config.parallelism
+    if cpu and par.context_parallel_degree > 1:
+        raise UserError(CP_ON_CPU.format(torch=torch.__version__.split("+")[0]))
+    if config.checkpoint.create_seed_checkpoint and (world != 1 or not config.checkpoint.enable):
+        raise UserError(f"--checkpoint.create_seed_checkpoint writes the step-0 checkpoint from one unsharded rank, as "
+                        f"torchtitan requires: {'run it on one rank (e.g. --simulate nvidia:1)' if world != 1 else ''}"
+                        f"{' and ' if world != 1 and not config.checkpoint.enable else ''}"
+                        f"{'add --checkpoint.enable' if not config.checkpoint.enable else ''}.")
     rest = par.pipeline_parallel_degree * par.data_parallel_replicate_degree * par.context_parallel_degree
     shard = par.data_parallel_shard_degree if par.data_parallel_shard_degree > 0 else world // max(
         rest * par.tensor_parallel_degree, 1)
@@ -349,15 +364,12 @@ def _launch_simulated(opts: argparse.Namespace, titan_args: list[str], split: li
     cpu_support.install(_module_name(titan_args))
     # The paths only: the assets are written once every check has passed (a refused run writes nothing).
     tok_dir, data_dir = assets / "tokenizer", assets / "c4_test"
-    if not _given(titan_args, "hf_assets_path"):
-        titan_args = [f"--hf_assets_path={tok_dir}"] + titan_args
-    if not _given(titan_args, "dataloader.dataset_path"):
-        titan_args = [f"--dataloader.dataset_path={data_dir}"] + titan_args
     if not _given(titan_args, "training.disable_cuda_graphs"):  # no CUDA graphs on CPU
         titan_args = ["--training.disable_cuda_graphs"] + titan_args
     with held_back(show=False):  # the ranks log the same; the assets are written below, once the checks pass
         config = load_config(titan_args, cpu=True, split=split)
-        check_supported(config, len(vendors))
+        titan_args = asset_args(config, titan_args, tok_dir, data_dir) + titan_args
+        check_supported(config, len(vendors), cpu=True)
         check_outputs(config)
         par = config.parallelism
         degrees = {"pp": par.pipeline_parallel_degree, "dp_replicate": par.data_parallel_replicate_degree,
@@ -375,6 +387,34 @@ def _launch_simulated(opts: argparse.Namespace, titan_args: list[str], split: li
     code = launch(rank_argv + titan_args, simulate=opts.simulate, name="bimetal titan", output=output,
                   extra_env={"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
     return code
+
+
+def asset_args(config: Any, titan_args: list[str], tok_dir: Path, data_dir: Path) -> list[str]:
+    """The generated CPU assets as torchtitan arguments, for what the run would otherwise look for in torchtitan's
+    source tree (``tests/assets``, not in its wheel) and not find: the tokenizer, and the ``c4_test`` text dataset of
+    the training and validation loaders. A path the user gave, or one that exists from here (a run in a torchtitan
+    clone), is kept. A loader of another kind (``sft``'s chat loader) reads its own files: it is left as configured,
+    and files of it that do not exist are refused in one sentence."""
+    out = []
+    if not _given(titan_args, "hf_assets_path") and not Path(config.hf_assets_path or "").exists():
+        out.append(f"--hf_assets_path={tok_dir}")
+    loaders = [("dataloader", config.dataloader)]
+    if config.validator.enable:
+        loaders.append(("validator.dataloader", config.validator.dataloader))
+    for key, loader in loaders:
+        if _given(titan_args, f"{key}.dataset_path"):
+            continue
+        if getattr(loader, "dataset", None) == "c4_test":
+            if not Path(loader.dataset_path or "tests/assets/c4_test").exists():
+                out.append(f"--{key}.dataset_path={data_dir}")
+            continue
+        files = (getattr(loader, "load_dataset_kwargs", None) or {}).get("data_files")
+        missing = [f for f in ([files] if isinstance(files, str) else files or []) if not Path(f).exists()]
+        if missing:
+            raise UserError(f"the {key} of this config reads {missing[0]!r}, which does not exist from "
+                            f"{os.getcwd()}; run it from a torchtitan source tree (its tests/assets) or give the "
+                            "config your own data.")
+    return out
 
 
 def run_rank(titan_args: list[str], cpu: bool, split: list[int] | None, pp_transport: str,
@@ -398,13 +438,17 @@ def run_rank(titan_args: list[str], cpu: bool, split: list[int] | None, pp_trans
     _torch_compat.install()
     with held_back():
         config = load_config(titan_args, cpu=cpu, split=split)
-        check_supported(config, int(os.environ.get("WORLD_SIZE", "1")))
+        check_supported(config, int(os.environ.get("WORLD_SIZE", "1")), cpu=cpu)
         check_outputs(config)
         init_logger()  # torchtitan's log format from here on (what was held back is shown in it)
     trainer = None
     try:
         trainer = BimetalTrainer(config, BimetalOptions(pp_transport=pp_transport, all_gloo=all_gloo, cpu=cpu))
-        trainer.train()
+        if config.checkpoint.create_seed_checkpoint:  # torchtitan's train.main: step 0 saved, nothing trained
+            trainer.checkpointer.save(curr_step=0, last_step=True)
+            logging.getLogger().info("Created seed checkpoint")
+        else:
+            trainer.train()
         trainer.report()
     finally:
         if trainer is not None:

@@ -225,3 +225,13 @@ def test_pipeline_with_tensor_parallelism_matches_gloo(tmp_path: Path, assets: l
         # every rank's step losses, first stages' included, are the last stage's
         assert {tuple(e["loss"] for e in r["losses"]) for r in mixed.values()} == {
             tuple(_losses(ref))}, name
+
+
+@needs_titan
+@pytest.mark.timeout(300)
+def test_seed_checkpoint_is_step_zero_untrained(tmp_path: Path, assets: list[str]) -> None:
+    """``--checkpoint.create_seed_checkpoint`` as torchtitan's own entry point runs it: one rank saves step 0 and
+    trains nothing."""
+    _titan("nvidia:1", [*COMMON, *assets, "--checkpoint.enable", "--checkpoint.create_seed_checkpoint"], tmp_path)
+    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-0"]
+    assert _reports(tmp_path)[0]["losses"] == []

@@ -225,11 +225,12 @@ def check_supported(config: Any, world: int, cpu: bool = False) -> None:
     par = config.parallelism
     if cpu and par.context_parallel_degree > 1:
         raise UserError(CP_ON_CPU.format(torch=torch.__version__.split("+")[0]))
-    if config.checkpoint.create_seed_checkpoint and (world != 1 or not config.checkpoint.enable):
-        raise UserError(f"--checkpoint.create_seed_checkpoint writes the step-0 checkpoint from one unsharded rank, as "
-                        f"torchtitan requires: {'run it on one rank (e.g. --simulate nvidia:1)' if world != 1 else ''}"
-                        f"{' and ' if world != 1 and not config.checkpoint.enable else ''}"
-                        f"{'add --checkpoint.enable' if not config.checkpoint.enable else ''}.")
+    if config.checkpoint.create_seed_checkpoint:
+        fixes = ["run it on one rank (e.g. --simulate nvidia:1)"] if world != 1 else []
+        fixes += [] if config.checkpoint.enable else ["add --checkpoint.enable"]
+        if fixes:
+            raise UserError("--checkpoint.create_seed_checkpoint writes the step-0 checkpoint from one unsharded rank, "
+                            f"as torchtitan requires: {' and '.join(fixes)}.")
     rest = par.pipeline_parallel_degree * par.data_parallel_replicate_degree * par.context_parallel_degree
     shard = par.data_parallel_shard_degree if par.data_parallel_shard_degree > 0 else world // max(
         rest * par.tensor_parallel_degree, 1)

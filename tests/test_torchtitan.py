@@ -128,7 +128,8 @@ def test_plan_writes_a_torchtitan_run(tmp_path: Path) -> None:
 def test_bad_titan_arguments_are_one_sentence(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """A value torchtitan's parser (tyro) refuses and a misspelled key: one sentence with tyro's message and its
-    suggestion, naming only what the user typed (not the paths bimetal adds), exit 2, nothing written; a rank
+    suggestion, naming only what the user typed (not the paths bimetal adds), exit 2, nothing written; what the CPU
+    cannot run (context parallelism, compile with tp) and a seed checkpoint on two ranks: one sentence each; a rank
     started by hand without a launcher: one sentence, not torchtitan's LOCAL_RANK traceback."""
     from bimetal.cli import main
 
@@ -141,6 +142,13 @@ def test_bad_titan_arguments_are_one_sentence(tmp_path: Path, capsys: pytest.Cap
          "bimetal titan: torchtitan: Error parsing --training.steps: invalid literal for int() with base 10: 'abc'."),
         ([*titan, "--simulate", "nvidia:1,amd:1", "--training.stepz", "3"],
          "bimetal titan: torchtitan: Unrecognized options: --training.stepz, 3; did you mean --training.steps?"),
+        ([*titan, "--simulate", "nvidia:2", "--parallelism.context_parallel_degree=2"],
+         "bimetal titan: context parallelism (parallelism.context_parallel_degree > 1) cannot run on a CPU"),
+        ([*titan, "--simulate", "nvidia:2", "--compile.enable", "--parallelism.tensor_parallel_degree=2"],
+         "bimetal titan: --compile.enable with tensor parallelism fails on CPU"),
+        ([*titan, "--simulate", "nvidia:1,amd:1", "--checkpoint.create_seed_checkpoint"],
+         "bimetal titan: --checkpoint.create_seed_checkpoint writes the step-0 checkpoint from one unsharded rank, "
+         "as torchtitan requires: run it on one rank (e.g. --simulate nvidia:1) and add --checkpoint.enable."),
         ([*titan, "--cpu"], "bimetal titan: without --simulate this process is one rank of a job that torchrun or "
                             "srun starts, but RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT are not set;"),
     ]

@@ -218,6 +218,13 @@ CP_ON_CPU = ("context parallelism (parallelism.context_parallel_degree > 1) cann
 aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding strategy registered"."""
 
 
+COMPILE_TP_ON_CPU = ("--compile.enable with tensor parallelism fails on CPU inside torch {torch}'s AOTAutograd (a "
+                     "DTensor's DeviceMesh among the values it saves for backward: \"expected all "
+                     "tensors_saved_with_vc_check to be Tensors\"); drop --compile.enable or tensor parallelism here.")
+"""Measured (torch 2.13, torchtitan 0.3.0): ``--compile.enable --parallelism.tensor_parallel_degree 2`` on
+``--simulate nvidia:2``, Inductor, both ranks fail in the first step in ``save_from_forward``."""
+
+
 def check_supported(config: Any, world: int, cpu: bool = False) -> None:
     """Refuse, in one sentence, a combination measured to fail with torch 2.13 (rather than a traceback later)."""
     import torch
@@ -225,6 +232,8 @@ def check_supported(config: Any, world: int, cpu: bool = False) -> None:
     par = config.parallelism
     if cpu and par.context_parallel_degree > 1:
         raise UserError(CP_ON_CPU.format(torch=torch.__version__.split("+")[0]))
+    if cpu and config.compile.enable and par.tensor_parallel_degree > 1:
+        raise UserError(COMPILE_TP_ON_CPU.format(torch=torch.__version__.split("+")[0]))
     if config.checkpoint.create_seed_checkpoint:
         fixes = ["run it on one rank (e.g. --simulate nvidia:1)"] if world != 1 else []
         fixes += [] if config.checkpoint.enable else ["add --checkpoint.enable"]

@@ -146,6 +146,8 @@ def test_bad_titan_arguments_are_one_sentence(tmp_path: Path, capsys: pytest.Cap
          "bimetal titan: context parallelism (parallelism.context_parallel_degree > 1) cannot run on a CPU"),
         ([*titan, "--simulate", "nvidia:2", "--compile.enable", "--parallelism.tensor_parallel_degree=2"],
          "bimetal titan: --compile.enable with tensor parallelism fails on CPU"),
+        ([*titan, "--simulate", "nvidia:2", "--optimizer.implementation", "fused_opt_states_bf16"],
+         "bimetal titan: --optimizer.implementation fused_opt_states_bf16 keeps Adam's states in bfloat16"),
         ([*titan, "--simulate", "nvidia:1,amd:1", "--checkpoint.create_seed_checkpoint"],
          "bimetal titan: --checkpoint.create_seed_checkpoint writes the step-0 checkpoint from one unsharded rank, "
          "as torchtitan requires: run it on one rank (e.g. --simulate nvidia:1) and add --checkpoint.enable."),

@@ -230,10 +230,15 @@ def check_supported(config: Any, world: int, cpu: bool = False) -> None:
     import torch
 
     par = config.parallelism
+    version = torch.__version__.split("+")[0]
     if cpu and par.context_parallel_degree > 1:
-        raise UserError(CP_ON_CPU.format(torch=torch.__version__.split("+")[0]))
+        raise UserError(CP_ON_CPU.format(torch=version))
     if cpu and config.compile.enable and par.tensor_parallel_degree > 1:
-        raise UserError(COMPILE_TP_ON_CPU.format(torch=torch.__version__.split("+")[0]))
+        raise UserError(COMPILE_TP_ON_CPU.format(torch=version))
+    if cpu and config.optimizer.implementation == "fused_opt_states_bf16":
+        raise UserError(f"--optimizer.implementation fused_opt_states_bf16 keeps Adam's states in bfloat16 beside "
+                        f"float32 parameters, which torch {version}'s fused AdamW takes on GPUs "
+                        "only (on CPU: \"expected scalar type Float but found BFloat16\"); use fused or foreach here.")
     if config.checkpoint.create_seed_checkpoint:
         fixes = ["run it on one rank (e.g. --simulate nvidia:1)"] if world != 1 else []
         fixes += [] if config.checkpoint.enable else ["add --checkpoint.enable"]

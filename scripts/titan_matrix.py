@@ -12,7 +12,8 @@ with bimetal's back-ends; a pipeline of 2 (the vendor boundary) is added where a
 the case's GPU count, or doubled where the case's own degrees fill it. Every run adds the CPU base arguments
 (``BASE``). The outcome of a case is read from what the runs did, never assumed:
 
-* ``identical``: both runs ended well and every variant's per-step losses are equal bit for bit;
+* ``identical``: both runs ended well and every variant's per-step losses are equal bit for bit (``ran``: a case
+  that trains no step, such as a seed checkpoint, ended well in both with the same checkpoints written);
 * ``refused``: ``bimetal titan`` refused the case in one sentence (exit 2), quoted;
 * ``CUDA-only``: a rank tried to launch a Triton kernel (absent on CPU; ``cpu_support``'s placeholder says so);
 * ``differs`` / ``fails``: losses not equal, or a run failed otherwise (its first cause line quoted);
@@ -236,8 +237,11 @@ def classify(gloo: dict, mixed: dict) -> tuple[str, str]:
         return "differs", f"all-Gloo {[v['losses'] for v in g]} vs {[v['losses'] for v in m]}"
     steps = sum(len(v["losses"] or []) for v in m)
     ckpt = m[-1]["checkpoints"]
-    return "identical", f"{steps} logged step(s) over {len(m)} run(s)" + (f"; checkpoints {', '.join(ckpt)}"
-                                                                           if ckpt else "")
+    saved = f"; checkpoints {', '.join(ckpt)}" if ckpt else ""
+    if steps == 0:  # nothing trained (a seed checkpoint): both ran, the same checkpoints written
+        same = g[-1]["checkpoints"] == ckpt
+        return ("ran" if same else "differs"), f"no training step, as the case asks{saved}"
+    return "identical", f"{steps} logged step(s) over {len(m)} run(s){saved}"
 
 
 def run_cases(names: list[str], cwd: Path | None) -> None:

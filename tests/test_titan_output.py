@@ -7,8 +7,9 @@ Two launched jobs, each checking several things (and the first one's all-Gloo re
   ``nvidia:2,amd:2``, shown ranks 0 and 3: losses identical to the all-Gloo run of the same arguments (run in the
   same test, on the same machine: float sums depend on its math libraries), the group table with native hops 0-1
   and 2-3 and cpu-forward hops 1-2 and 3-0, only ranks 0 and 3 in the output and every line of theirs prefixed,
-  the last stage's loss on rank 0's step line, the memory column a real figure, and the crossing hops' byte
-  counters agreeing end to end (native hops keep none);
+  the last stage's loss on rank 0's step line, torchtitan's note on its defaults once per shown rank (not twice,
+  not from the launcher), the memory column a real figure, and the crossing hops' byte counters agreeing end to end
+  (native hops keep none);
 * FSDP over ``nvidia:2`` with ``--compile.enable`` (the ``aot_eager`` backend: Dynamo's guards, where a class
   made per layer hit the recompile limit in step 2, without Inductor's C++ build) and rank 1 killed after step 2
   (``BIMETAL_FAULT_KILL``): both steps run compiled, the launcher's sentence names ``bimetal titan``, rank 1's
@@ -79,6 +80,9 @@ def test_pp4_interleaved_per_hop_prefixed_filtered_and_like_all_gloo(tmp_path: P
     assert [first[s][0] for s in (1, 2)] == [last[s][0] for s in (1, 2)] == [f"{x:.5f}" for x in losses]
     assert all(0.05 < mem < 64 for _, mem in [*first.values(), *last.values()])  # the rank's peak RSS, not -0.00
     assert not any("loss is not visible" in line for line in out + err)
+    # torchtitan's note about its own default: once per shown rank, in its format, never unprefixed from the launcher
+    notes = [line for line in out + err if "initial_load_model_only=True has no effect" in line]
+    assert sorted(line[:len("[rank0]:")] for line in notes) == ["[rank0]:", "[rank3]:"], notes
     # Bytes: a native hop has no bimetal counters; each crossing hop's two ends agree (sent = received).
     hops = {r: reports[r]["groups"]["pp"]["hops"] for r in range(4)}
     for r, mine in hops.items():

@@ -266,10 +266,9 @@ def _module_name(titan_args: list[str]) -> str:
 @contextlib.contextmanager
 def held_back(show: bool = True) -> Iterator[None]:
     """What torchtitan (and torch) log or warn while bimetal checks a run is held back: shown once every check
-    passed (each message once: torchtitan builds its config twice, from the ``--config`` function and again in its
-    parser, and a note about a default comes from each), dropped when one refuses the run, so a refusal is its one
-    sentence. ``show=False``: dropped in any case (the launcher of a simulated job, whose ranks parse the same
-    arguments and log the same lines, prefixed with their rank). torchtitan logs through the root logger."""
+    passed, dropped when one refuses the run, so a refusal is its one sentence. ``show=False``: dropped in any case
+    (the launcher of a simulated job, whose ranks parse the same arguments and log the same lines, prefixed with
+    their rank). torchtitan logs through the root logger."""
     root = logging.getLogger()
     buffer = logging.handlers.BufferingHandler(capacity=1 << 16)
     saved, root.handlers = root.handlers, [buffer]
@@ -287,11 +286,8 @@ def held_back(show: bool = True) -> Iterator[None]:
     if not show:
         return
     handlers = root.handlers or ([logging.lastResort] if logging.lastResort else [])
-    seen: set[tuple[int, str]] = set()
     for record in buffer.buffer:
-        key = (record.levelno, record.getMessage())
-        if key not in seen and record.levelno >= root.getEffectiveLevel():
-            seen.add(key)
+        if record.levelno >= root.getEffectiveLevel():
             for handler in handlers:
                 if record.levelno >= handler.level:
                     handler.handle(record)
@@ -432,6 +428,25 @@ def asset_args(config: Any, titan_args: list[str], tok_dir: Path, data_dir: Path
     return out
 
 
+class SetupOnce(logging.Filter):
+    """Passes each warning of a rank's set-up once: torchtitan's config classes note their defaults when they are
+    built (``initial_load_model_only=True has no effect without an initial_load_path``), and torchtitan builds the
+    config three times before training (the ``--config`` function, its parser, the trainer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING:
+            return True
+        message = record.getMessage()
+        if message in self.seen:
+            return False
+        self.seen.add(message)
+        return True
+
+
 def run_rank(titan_args: list[str], cpu: bool, split: list[int] | None, pp_transport: str,
              all_gloo: bool = False) -> int:
     """One rank: torchtitan's training loop (as its ``train.main``) on a ``BimetalTrainer``."""
@@ -451,14 +466,17 @@ def run_rank(titan_args: list[str], cpu: bool, split: list[int] | None, pp_trans
     from bimetal.integrations.torchtitan.trainer import BimetalOptions, BimetalTrainer
 
     _torch_compat.install()
-    with held_back():
-        config = load_config(titan_args, cpu=cpu, split=split)
-        check_supported(config, int(os.environ.get("WORLD_SIZE", "1")), cpu=cpu)
-        check_outputs(config)
-        init_logger()  # torchtitan's log format from here on (what was held back is shown in it)
+    once = SetupOnce()  # torchtitan builds its config (and its notes about defaults) again at each set-up stage
+    logging.getLogger().addFilter(once)
     trainer = None
     try:
+        with held_back():
+            config = load_config(titan_args, cpu=cpu, split=split)
+            check_supported(config, int(os.environ.get("WORLD_SIZE", "1")), cpu=cpu)
+            check_outputs(config)
+            init_logger()  # torchtitan's log format from here on (what was held back is shown in it)
         trainer = BimetalTrainer(config, BimetalOptions(pp_transport=pp_transport, all_gloo=all_gloo, cpu=cpu))
+        logging.getLogger().removeFilter(once)  # training's own warnings, repeated or not, are torchtitan's to show
         if config.checkpoint.create_seed_checkpoint:  # torchtitan's train.main: step 0 saved, nothing trained
             trainer.checkpointer.save(curr_step=0, last_step=True)
             logging.getLogger().info("Created seed checkpoint")

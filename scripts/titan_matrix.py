@@ -15,7 +15,8 @@ the case's GPU count, or doubled where the case's own degrees fill it. Every run
 * ``identical``: both runs ended well and every variant's per-step losses are equal bit for bit (``ran``: a case
   that trains no step, such as a seed checkpoint, ended well in both with the same checkpoints written);
 * ``refused``: ``bimetal titan`` refused the case in one sentence (exit 2), quoted;
-* ``CUDA-only``: a rank tried to launch a Triton kernel (absent on CPU; ``cpu_support``'s placeholder says so);
+* ``CUDA-only``: a rank tried to launch a Triton kernel or import Triton (absent on CPU; ``cpu_support``'s
+  placeholder says so for the kernels torchtitan imports at start);
 * ``differs`` / ``fails``: losses not equal, or a run failed otherwise (its first cause line quoted);
 * ``disabled upstream``: torchtitan's own list disables the case; not run.
 
@@ -226,7 +227,7 @@ def classify(gloo: dict, mixed: dict) -> tuple[str, str]:
     if bad is not None:
         if bad["rc"] == 2:
             return "refused", bad["cause"]
-        if "Triton kernel" in bad["cause"]:
+        if "Triton kernel" in bad["cause"] or "No module named 'triton'" in bad["cause"]:
             return "CUDA-only", bad["cause"]
         return "fails", bad["cause"]
     g = gloo["variants"]

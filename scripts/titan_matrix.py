@@ -193,9 +193,11 @@ def _run(simulate: str, variants: list[list[str]], dump: Path, all_gloo: bool, c
     out = []
     for args in variants:
         args = [a.replace("{dump}", str(dump)) for a in args]
+        # the dump folder before the case's arguments: after a tyro subcommand (activation-checkpoint:selective)
+        # only that subcommand's options are taken
         cmd = [sys.executable, "-m", "bimetal.cli", "titan", "--simulate", simulate, *(["--all-gloo"] if all_gloo
-                                                                                      else []), *BASE, *args,
-               f"--dump_folder={dump}"]
+                                                                                      else []), *BASE,
+               f"--dump_folder={dump}", *args]
         shutil.rmtree(dump / "bimetal", ignore_errors=True)
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, cwd=cwd,
                               env={**os.environ, "OMP_NUM_THREADS": "1"})

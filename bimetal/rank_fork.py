@@ -221,8 +221,15 @@ def _exit_code(exc: SystemExit) -> int:
 
 
 def _finish() -> None:
-    """What an interpreter does at exit: wait for the rank's non-daemon threads, then its exit handlers."""
-    for t in threading.enumerate():
-        if t is not threading.current_thread() and not t.daemon and t.is_alive():
-            t.join()
+    """What an interpreter does at exit (``Py_FinalizeEx``), in its order: ``threading._shutdown`` (the hooks
+    registered with ``threading._register_atexit`` first, such as the one that tells ``concurrent.futures``' idle
+    pool workers to stop, then the join of every non-daemon thread), then the ``atexit`` handlers. Joining the
+    threads without those hooks first would wait forever for an idle thread-pool worker."""
+    shutdown = getattr(threading, "_shutdown", None)
+    if shutdown is not None:
+        shutdown()
+    else:  # an interpreter without it: the join alone
+        for t in threading.enumerate():
+            if t is not threading.current_thread() and not t.daemon and t.is_alive():
+                t.join()
     atexit._run_exitfuncs()

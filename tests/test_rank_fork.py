@@ -1,7 +1,8 @@
 """Ranks of a job simulated on the CPU start as forks of the launcher (``bimetal.rank_fork``), through the
 entry points users type: each rank sees its own environment, arguments, ``sys.path[0]`` and session, as a new
-interpreter would; a failing rank is reported the same way; ``BIMETAL_LAUNCH_FORK=0`` starts new interpreters;
-and a training job's losses are bitwise the same either way."""
+interpreter would; a failing rank is reported the same way; a rank that leaves an idle thread pool ends as a new
+interpreter does (its pool's exit hook, then its ``atexit`` handlers: no hang); ``BIMETAL_LAUNCH_FORK=0`` starts new
+interpreters; and a training job's losses are bitwise the same either way."""
 
 from __future__ import annotations
 
@@ -11,10 +12,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 PROBE = """
-import json, os, sys, threading
+import atexit, json, os, sys, threading
+from concurrent.futures import ThreadPoolExecutor
+# an idle pool held to the end (as Inductor's compile pool is): its worker waits for work until threading's exit
+# hook tells it to stop; the atexit handler sees whether that hook ran first, as it does in a new interpreter
+pool = ThreadPoolExecutor(1)
+pool.submit(int).result()
+atexit.register(lambda: print("atexit: pool stopped", not any(t.is_alive() for t in pool._threads), flush=True))
 print(json.dumps({"rank": int(os.environ["RANK"]), "main_tid": threading.main_thread().native_id == os.getpid(),
                   "argv": sys.argv[1:], "path0": sys.path[0], "threads": __import__("torch").get_num_threads(),
                   "preloaded": "torch.distributed.checkpoint" in sys.modules,
@@ -44,10 +53,12 @@ def _lines(out: str) -> dict[int, dict]:
     return {row["rank"]: row for row in rows}
 
 
+@pytest.mark.timeout(240)
 def test_forked_ranks_see_what_a_new_interpreter_would_and_fork_zero_starts_one(tmp_path: Path) -> None:
     for fork, preloaded in (("1", True), ("0", False)):
         proc = _launch(tmp_path, "--x", "7", BIMETAL_LAUNCH_FORK=fork)
         assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.count("atexit: pool stopped True") == 2, (fork, proc.stdout)
         ranks = _lines(proc.stdout)
         assert sorted(ranks) == [0, 1], proc.stdout
         for row in ranks.values():

@@ -122,6 +122,46 @@ def test_plan_writes_a_torchtitan_run(tmp_path: Path) -> None:
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad.stderr
 
 
+# ---- torchtitan's parser and the entry point's refusals (in this process: torchtitan imported once) ----
+
+@needs_titan
+def test_bad_titan_arguments_are_one_sentence(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A value torchtitan's parser (tyro) refuses and a misspelled key: one sentence with tyro's message and its
+    suggestion, naming only what the user typed (not the paths bimetal adds), exit 2, nothing written; what the CPU
+    cannot run (context parallelism, compile with tp) and a seed checkpoint on two ranks: one sentence each; a rank
+    started by hand without a launcher: one sentence, not torchtitan's LOCAL_RANK traceback."""
+    from bimetal.cli import main
+
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "BIMETAL_SIMULATE"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.chdir(tmp_path)
+    titan = ["titan", "--module", "llama3", "--config", "llama3_debugmodel"]
+    cases = [
+        ([*titan, "--simulate", "nvidia:1,amd:1", "--training.steps=abc"],
+         "bimetal titan: torchtitan: Error parsing --training.steps: invalid literal for int() with base 10: 'abc'."),
+        ([*titan, "--simulate", "nvidia:1,amd:1", "--training.stepz", "3"],
+         "bimetal titan: torchtitan: Unrecognized options: --training.stepz, 3; did you mean --training.steps?"),
+        ([*titan, "--simulate", "nvidia:2", "--parallelism.context_parallel_degree=2"],
+         "bimetal titan: context parallelism (parallelism.context_parallel_degree > 1) cannot run on a CPU"),
+        ([*titan, "--simulate", "nvidia:2", "--compile.enable", "--parallelism.tensor_parallel_degree=2"],
+         "bimetal titan: --compile.enable with tensor parallelism fails on CPU"),
+        ([*titan, "--simulate", "nvidia:2", "--optimizer.implementation", "fused_opt_states_bf16"],
+         "bimetal titan: --optimizer.implementation fused_opt_states_bf16 keeps Adam's states in bfloat16"),
+        ([*titan, "--simulate", "nvidia:1,amd:1", "--checkpoint.create_seed_checkpoint"],
+         "bimetal titan: --checkpoint.create_seed_checkpoint writes the step-0 checkpoint from one unsharded rank, "
+         "as torchtitan requires: run it on one rank (e.g. --simulate nvidia:1) and add --checkpoint.enable."),
+        ([*titan, "--cpu"], "bimetal titan: without --simulate this process is one rank of a job that torchrun or "
+                            "srun starts, but RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT are not set;"),
+    ]
+    for argv, sentence in cases:
+        assert main([*argv, f"--dump_folder={tmp_path / 'out'}"]) == 2, argv
+        captured = capsys.readouterr()
+        lines = [line for line in captured.err.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith(sentence) and captured.out == "", (argv, captured)
+        assert list(tmp_path.iterdir()) == [], argv  # nothing written
+
+
 # ---- torchtitan runs ----
 
 @needs_titan
@@ -166,14 +206,42 @@ def test_pp2_1f1b_two_vendors_matches_gloo_and_resumes(tmp_path: Path, assets: l
     assert _losses(resumed) == ref[2:]
 
 
+def _titan(simulate: str, args: list[str], dump: Path, timeout: int = 300) -> dict[int, dict[str, Any]]:
+    """Ranks through ``bimetal titan --simulate``; returns each rank's report."""
+    proc = _run(["titan", "--simulate", simulate, *args, f"--dump_folder={dump}"], timeout)
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
+    return _reports(dump)
+
+
 @needs_titan
-@pytest.mark.timeout(600)
-def test_pp2_fsdp2_interleaved_four_ranks_matches_gloo(tmp_path: Path, assets: list[str]) -> None:
-    """nvidia:2,amd:2, pp=2 x FSDP 2, Interleaved1F1B (2 stages per rank), split 4/2."""
-    args = [*COMMON, *assets, "--parallelism.pipeline_parallel_degree=2", "--parallelism.data_parallel_shard_degree=2",
-            "--parallelism.pipeline_parallel_schedule=Interleaved1F1B", "--training.steps=2",
-            "--layers-per-stage=4,2", "--checkpoint.no-enable"]
-    ref = _losses(_launch("nvidia:2,amd:2", ["--all-gloo", *args], tmp_path / "gloo"))
-    mixed = _launch("nvidia:2,amd:2", args, tmp_path / "mixed")
-    assert len(ref) == 2 and _losses(mixed) == ref
-    _check_groups(mixed, VENDOR_OF["nvidia:2,amd:2"])
+@pytest.mark.timeout(900)
+def test_pipeline_with_tensor_parallelism_matches_gloo(tmp_path: Path, assets: list[str]) -> None:
+    """torchtitan's pp_tp_gpipe (pp 2 x tp 2, GPipe) over nvidia:2,amd:2 and its pp_dp_tp (pp 2 x FSDP 2 x tp 2,
+    here Interleaved1F1B with two stages per rank and split 4/2) over nvidia:4,amd:4, each against the same run on
+    all-Gloo in this test: the last stage's loss under tp is a DTensor, handed to the first stage as torchtitan logs
+    it (the first stage's step line shows the same value)."""
+    base = [*COMMON, *assets, "--training.steps=2", "--checkpoint.no-enable",
+            "--parallelism.pipeline_parallel_degree=2", "--parallelism.tensor_parallel_degree=2"]
+    cases = {"pp_tp_gpipe": ("nvidia:2,amd:2", ["--parallelism.pipeline_parallel_schedule=GPipe"]),
+             "pp_dp_tp": ("nvidia:4,amd:4", ["--parallelism.data_parallel_shard_degree=2",
+                                             "--parallelism.pipeline_parallel_schedule=Interleaved1F1B",
+                                             "--layers-per-stage=4,2"])}
+    for name, (simulate, extra) in cases.items():
+        ref = _titan(simulate, ["--all-gloo", *base, *extra], tmp_path / name / "gloo")
+        mixed = _titan(simulate, [*base, *extra], tmp_path / name / "mixed")
+        assert len(_losses(ref)) == 2 and _losses(mixed) == _losses(ref), name
+        vendors = [v for v, n in (p.split(":") for p in simulate.split(",")) for _ in range(int(n))]
+        _check_groups(mixed, vendors)
+        # every rank's step losses, first stages' included, are the last stage's
+        assert {tuple(e["loss"] for e in r["losses"]) for r in mixed.values()} == {
+            tuple(_losses(ref))}, name
+
+
+@needs_titan
+@pytest.mark.timeout(300)
+def test_seed_checkpoint_is_step_zero_untrained(tmp_path: Path, assets: list[str]) -> None:
+    """``--checkpoint.create_seed_checkpoint`` as torchtitan's own entry point runs it: one rank saves step 0 and
+    trains nothing."""
+    _titan("nvidia:1", [*COMMON, *assets, "--checkpoint.enable", "--checkpoint.create_seed_checkpoint"], tmp_path)
+    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-0"]
+    assert _reports(tmp_path)[0]["losses"] == []

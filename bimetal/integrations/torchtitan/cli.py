@@ -16,9 +16,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import io
 import logging
 import logging.handlers
 import os
+import re
 import sys
 import tomllib
 import warnings
@@ -60,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _given(args: list[str], key: str) -> bool:
     return any(a == f"--{key}" or a.startswith(f"--{key}=") for a in args)
 
+
+RANK_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+"""torchrun's contract (``srun`` tasks get it from ``bimetal.topology.slurm``): a rank needs all of it."""
 
 PER_STAGE = ("tp_per_stage", "dp_per_stage", "dp_shard_per_stage")
 """bimetal train's per-stage shape keys: torchtitan's meshes are uniform, so ``bimetal titan`` refuses them."""
@@ -114,14 +119,7 @@ def _dump_folder(titan_args: list[str]) -> str:
 def load_config(titan_args: list[str], cpu: bool, split: list[int] | None) -> Any:
     """torchtitan's config from its own parser, then the split (recomputed for the schedule in use: a plan's
     per-rank counts also fit an interleaved run) and, on CPU, the attention stand-in."""
-    from torchtitan.config import ConfigManager
-
-    try:
-        config = ConfigManager().parse_args(titan_args)
-    except SystemExit as exc:
-        raise UserError(f"torchtitan did not accept the arguments {' '.join(titan_args)!r}") from exc
-    except (ValueError, ImportError) as exc:
-        raise UserError(f"torchtitan: {exc}") from exc
+    config = parse_titan_args(titan_args)
     par = config.parallelism
     if split is not None:
         from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
@@ -143,11 +141,110 @@ def load_config(titan_args: list[str], cpu: bool, split: list[int] | None) -> An
     return config
 
 
-def check_supported(config: Any, world: int) -> None:
+_BOX_RULE = re.compile(r"^[\s\u2500-\u257f+|-]*$")
+"""A line of tyro's error box that is all border (rich draws it with box characters, or ASCII off a terminal)."""
+
+
+def parse_titan_args(titan_args: list[str]) -> Any:
+    """torchtitan's ``ConfigManager().parse_args``; what it refuses becomes one sentence (``UserError``).
+
+    tyro, torchtitan's parser, prints a box of a dozen lines or more (title, message, help text, the program's
+    whole argument list for a misspelled key) and exits: the box is caught and read for its message and tyro's
+    suggestion, which name only what the user typed (``Unrecognized options: --training.step=2``, ``Perhaps you
+    meant: --training.steps``)."""
+    from torchtitan.config import ConfigManager
+
+    box = io.StringIO()
+    try:
+        # a wide page, so rich does not wrap the message inside the box
+        with _environ(COLUMNS="4000"), contextlib.redirect_stderr(box), contextlib.redirect_stdout(box):
+            return ConfigManager().parse_args(titan_args)
+    except SystemExit as exc:
+        if not exc.code:  # --help: tyro's page is what was asked for
+            sys.stdout.write(box.getvalue())
+            raise
+        raise UserError(_box_sentence(box.getvalue())) from None
+    except (ValueError, ImportError) as exc:
+        raise UserError(f"torchtitan: {exc}") from exc
+
+
+def _box_sentence(text: str) -> str:
+    """One sentence from tyro's error box: its first message line, plus the first option it suggests."""
+    parts: list[list[str]] = [[]]
+    for raw in text.splitlines():
+        line = raw.strip().strip("\u2502|").strip()
+        if _BOX_RULE.match(raw) or not line:
+            if parts[-1]:
+                parts.append([])
+            continue
+        parts[-1].append(line)
+    # parts: [title], [message...], [help or suggestions...], ...; lines logged before the box come first
+    titled = [i for i, p in enumerate(parts) if p and p[-1] in _TYRO_TITLES]
+    body = parts[titled[0] + 1:] if titled else parts
+    message = " ".join(body[0]) if body and body[0] else "torchtitan refused its arguments"
+    sentence = f"torchtitan: {message.rstrip('.')}"
+    for part in body[1:]:
+        if part and part[0].startswith("Perhaps you meant"):
+            options = [w for line in part[1:] for w in line.split() if w.startswith("--")]
+            if options:
+                sentence += f"; did you mean {options[0]}?"
+                return sentence
+    return sentence + "."
+
+
+_TYRO_TITLES = ("Value error", "Unrecognized options", "Missing argument", "Parsing error", "Required options",
+                "Invalid subcommand", "Missing subcommand", "Ambiguous option")
+
+
+@contextlib.contextmanager
+def _environ(**values: str) -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+CP_ON_CPU = ("context parallelism (parallelism.context_parallel_degree > 1) cannot run on a CPU: torchtitan shards "
+             "attention over cp only as FlexAttention (no backward on CPU) or SDPA through torch's context-parallel "
+             "dispatcher, which in torch {torch} handles the GPU kernels alone (flash, efficient, cuDNN), not the "
+             "CPU's _scaled_dot_product_flash_attention_for_cpu; run it on GPUs.")
+"""Measured: the ranks of a cp=2 job on ``ScaledDotProductAttention`` fail with "Operator
+aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding strategy registered"."""
+
+
+COMPILE_TP_ON_CPU = ("--compile.enable with tensor parallelism fails on CPU inside torch {torch}'s AOTAutograd (a "
+                     "DTensor's DeviceMesh among the values it saves for backward: \"expected all "
+                     "tensors_saved_with_vc_check to be Tensors\"); drop --compile.enable or tensor parallelism here.")
+"""Measured (torch 2.13, torchtitan 0.3.0): ``--compile.enable --parallelism.tensor_parallel_degree 2`` on
+``--simulate nvidia:2``, Inductor, both ranks fail in the first step in ``save_from_forward``."""
+
+
+def check_supported(config: Any, world: int, cpu: bool = False) -> None:
     """Refuse, in one sentence, a combination measured to fail with torch 2.13 (rather than a traceback later)."""
     import torch
 
     par = config.parallelism
+    version = torch.__version__.split("+")[0]
+    if cpu and par.context_parallel_degree > 1:
+        raise UserError(CP_ON_CPU.format(torch=version))
+    if cpu and config.compile.enable and par.tensor_parallel_degree > 1:
+        raise UserError(COMPILE_TP_ON_CPU.format(torch=version))
+    if cpu and config.optimizer.implementation == "fused_opt_states_bf16":
+        raise UserError(f"--optimizer.implementation fused_opt_states_bf16 keeps Adam's states in bfloat16 beside "
+                        f"float32 parameters, which torch {version}'s fused AdamW takes on GPUs "
+                        "only (on CPU: \"expected scalar type Float but found BFloat16\"); use fused or foreach here.")
+    if config.checkpoint.create_seed_checkpoint:
+        fixes = ["run it on one rank (e.g. --simulate nvidia:1)"] if world != 1 else []
+        fixes += [] if config.checkpoint.enable else ["add --checkpoint.enable"]
+        if fixes:
+            raise UserError("--checkpoint.create_seed_checkpoint writes the step-0 checkpoint from one unsharded rank, "
+                            f"as torchtitan requires: {' and '.join(fixes)}.")
     rest = par.pipeline_parallel_degree * par.data_parallel_replicate_degree * par.context_parallel_degree
     shard = par.data_parallel_shard_degree if par.data_parallel_shard_degree > 0 else world // max(
         rest * par.tensor_parallel_degree, 1)
@@ -167,10 +264,11 @@ def _module_name(titan_args: list[str]) -> str:
 
 
 @contextlib.contextmanager
-def held_back(drop: str = "") -> Iterator[None]:
+def held_back(show: bool = True) -> Iterator[None]:
     """What torchtitan (and torch) log or warn while bimetal checks a run is held back: shown once every check
-    passed (but lines containing ``drop``, a warning bimetal makes moot), dropped when one refuses the run, so
-    a refusal is its one sentence. torchtitan logs through the root logger."""
+    passed, dropped when one refuses the run, so a refusal is its one sentence. ``show=False``: dropped in any case
+    (the launcher of a simulated job, whose ranks parse the same arguments and log the same lines, prefixed with
+    their rank). torchtitan logs through the root logger."""
     root = logging.getLogger()
     buffer = logging.handlers.BufferingHandler(capacity=1 << 16)
     saved, root.handlers = root.handlers, [buffer]
@@ -185,9 +283,11 @@ def held_back(drop: str = "") -> Iterator[None]:
         finally:
             # torchtitan's init_logger, run inside, replaces the handlers: keep its; else put ours back
             root.handlers = saved if root.handlers == [buffer] else [h for h in root.handlers if h is not buffer]
+    if not show:
+        return
     handlers = root.handlers or ([logging.lastResort] if logging.lastResort else [])
     for record in buffer.buffer:
-        if not (drop and drop in record.getMessage()) and record.levelno >= root.getEffectiveLevel():
+        if record.levelno >= root.getEffectiveLevel():
             for handler in handlers:
                 if record.levelno >= handler.level:
                     handler.handle(record)
@@ -237,6 +337,12 @@ def main(argv: list[str]) -> int:
         if not torch.cuda.is_available():
             raise UserError(f"without --simulate or --cpu this is one rank of a GPU job, but this torch "
                             f"({torch.__version__}) sees no GPU; add --simulate (e.g. nvidia:1,amd:1) or --cpu.")
+    missing = [k for k in RANK_ENV if not os.environ.get(k)]
+    if missing:
+        raise UserError(f"without --simulate this process is one rank of a job that torchrun or srun starts, but "
+                        f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set; start it with "
+                        "`torchrun --nproc-per-node N -m bimetal.integrations.torchtitan ...`, or add --simulate "
+                        "(e.g. nvidia:1,amd:1) to run on this machine's CPU.")
     return run_rank(titan_args, cpu=cpu, split=split,
                     pp_transport=pp_transport, all_gloo=opts.all_gloo)
 
@@ -269,15 +375,12 @@ def _launch_simulated(opts: argparse.Namespace, titan_args: list[str], split: li
     cpu_support.install(_module_name(titan_args))
     # The paths only: the assets are written once every check has passed (a refused run writes nothing).
     tok_dir, data_dir = assets / "tokenizer", assets / "c4_test"
-    if not _given(titan_args, "hf_assets_path"):
-        titan_args = [f"--hf_assets_path={tok_dir}"] + titan_args
-    if not _given(titan_args, "dataloader.dataset_path"):
-        titan_args = [f"--dataloader.dataset_path={data_dir}"] + titan_args
     if not _given(titan_args, "training.disable_cuda_graphs"):  # no CUDA graphs on CPU
         titan_args = ["--training.disable_cuda_graphs"] + titan_args
-    with held_back(drop=f"HF assets path {tok_dir} does not exist"):  # written below, once the checks pass
+    with held_back(show=False):  # the ranks log the same; the assets are written below, once the checks pass
         config = load_config(titan_args, cpu=True, split=split)
-        check_supported(config, len(vendors))
+        titan_args = asset_args(config, titan_args, tok_dir, data_dir) + titan_args
+        check_supported(config, len(vendors), cpu=True)
         check_outputs(config)
         par = config.parallelism
         degrees = {"pp": par.pipeline_parallel_degree, "dp_replicate": par.data_parallel_replicate_degree,
@@ -295,6 +398,53 @@ def _launch_simulated(opts: argparse.Namespace, titan_args: list[str], split: li
     code = launch(rank_argv + titan_args, simulate=opts.simulate, name="bimetal titan", output=output,
                   extra_env={"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
     return code
+
+
+def asset_args(config: Any, titan_args: list[str], tok_dir: Path, data_dir: Path) -> list[str]:
+    """The generated CPU assets as torchtitan arguments, for what the run would otherwise look for in torchtitan's
+    source tree (``tests/assets``, not in its wheel) and not find: the tokenizer, and the ``c4_test`` text dataset of
+    the training and validation loaders. A path the user gave, or one that exists from here (a run in a torchtitan
+    clone), is kept. A loader of another kind (``sft``'s chat loader) reads its own files: it is left as configured,
+    and files of it that do not exist are refused in one sentence."""
+    out = []
+    if not _given(titan_args, "hf_assets_path") and not Path(config.hf_assets_path or "").exists():
+        out.append(f"--hf_assets_path={tok_dir}")
+    loaders = [("dataloader", config.dataloader)]
+    if config.validator.enable:
+        loaders.append(("validator.dataloader", config.validator.dataloader))
+    for key, loader in loaders:
+        if _given(titan_args, f"{key}.dataset_path"):
+            continue
+        if getattr(loader, "dataset", None) == "c4_test":
+            if not Path(loader.dataset_path or "tests/assets/c4_test").exists():
+                out.append(f"--{key}.dataset_path={data_dir}")
+            continue
+        files = (getattr(loader, "load_dataset_kwargs", None) or {}).get("data_files")
+        missing = [f for f in ([files] if isinstance(files, str) else files or []) if not Path(f).exists()]
+        if missing:
+            raise UserError(f"the {key} of this config reads {missing[0]!r}, which does not exist from "
+                            f"{os.getcwd()}; run it from a torchtitan source tree (its tests/assets) or give the "
+                            "config your own data.")
+    return out
+
+
+class SetupOnce(logging.Filter):
+    """Passes each warning of a rank's set-up once: torchtitan's config classes note their defaults when they are
+    built (``initial_load_model_only=True has no effect without an initial_load_path``), and torchtitan builds the
+    config three times before training (the ``--config`` function, its parser, the trainer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING:
+            return True
+        message = record.getMessage()
+        if message in self.seen:
+            return False
+        self.seen.add(message)
+        return True
 
 
 def run_rank(titan_args: list[str], cpu: bool, split: list[int] | None, pp_transport: str,
@@ -316,15 +466,22 @@ def run_rank(titan_args: list[str], cpu: bool, split: list[int] | None, pp_trans
     from bimetal.integrations.torchtitan.trainer import BimetalOptions, BimetalTrainer
 
     _torch_compat.install()
-    with held_back():
-        config = load_config(titan_args, cpu=cpu, split=split)
-        check_supported(config, int(os.environ.get("WORLD_SIZE", "1")))
-        check_outputs(config)
-        init_logger()  # torchtitan's log format from here on (what was held back is shown in it)
+    once = SetupOnce()  # torchtitan builds its config (and its notes about defaults) again at each set-up stage
+    logging.getLogger().addFilter(once)
     trainer = None
     try:
+        with held_back():
+            config = load_config(titan_args, cpu=cpu, split=split)
+            check_supported(config, int(os.environ.get("WORLD_SIZE", "1")), cpu=cpu)
+            check_outputs(config)
+            init_logger()  # torchtitan's log format from here on (what was held back is shown in it)
         trainer = BimetalTrainer(config, BimetalOptions(pp_transport=pp_transport, all_gloo=all_gloo, cpu=cpu))
-        trainer.train()
+        logging.getLogger().removeFilter(once)  # training's own warnings, repeated or not, are torchtitan's to show
+        if config.checkpoint.create_seed_checkpoint:  # torchtitan's train.main: step 0 saved, nothing trained
+            trainer.checkpointer.save(curr_step=0, last_step=True)
+            logging.getLogger().info("Created seed checkpoint")
+        else:
+            trainer.train()
         trainer.report()
     finally:
         if trainer is not None:

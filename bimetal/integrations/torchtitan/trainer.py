@@ -16,9 +16,10 @@ Public extension points only, apart from ``_torch_hooks``:
 * ``BimetalTrainer.train_step`` notes each completed step for bimetal's launcher (a crashed rank is named with its
   last step) and runs bimetal's fault injection (``bimetal.faults``; nothing unless its variable is set).
 
-After training, ``report`` writes ``<dump_folder>/bimetal/rank<r>.json``: per-step losses (on ranks that
-hold the last stage), and every mesh dimension's back-end, ranks and (for bimetal transports) byte counters; a
-per-hop pp group lists each of this rank's pairs (``hops``) and its collectives group.
+After training, ``report`` writes ``<dump_folder>/bimetal/rank<r>.json``: the per-step losses this rank logged
+(on every rank: a stage before the last logs the last stage's), whether it holds the last stage, and every mesh
+dimension's back-end, ranks and (for bimetal transports) byte counters; a per-hop pp group lists each of this
+rank's pairs (``hops``) and its collectives group.
 """
 
 from __future__ import annotations
@@ -129,7 +130,10 @@ class BimetalTrainer(Trainer):
             return loss
         # Every rank of the pipeline calls this at the same steps. The last stage's loss plus zeros is that loss
         # exactly (NaN and inf included), on every stage.
-        mine = loss.detach().reshape(1).float() if self.pp_has_last_stage else torch.zeros(1, device=self.device)
+        if self.pp_has_last_stage:
+            mine = logged_value(loss.detach(), self.parallel_dims.dp_cp_enabled).reshape(1).float().clone()
+        else:
+            mine = torch.zeros(1, device=self.device)
         dist.all_reduce(mine, group=self.parallel_dims.get_mesh("pp").get_group())
         return loss if self.pp_has_last_stage else mine.reshape(())
 
@@ -152,8 +156,23 @@ class BimetalTrainer(Trainer):
         out = Path(self.config.dump_folder) / "bimetal" / f"rank{rank}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({"rank": rank, "vendor": detect_vendor(rank), "last_stage": bool(last),
-                                   "losses": self.losses if last else [], "groups": groups}, indent=1))
+                                   "losses": self.losses, "groups": groups}, indent=1))
         return out
+
+
+def logged_value(loss: torch.Tensor, dp_cp_enabled: bool) -> torch.Tensor:
+    """The plain tensor whose value torchtitan's ``train_step`` logs for a last stage's ``loss``.
+
+    Under tensor parallelism the loss is a DTensor on the tp mesh. With data or context parallelism torchtitan
+    reduces its ``to_local()`` over the loss mesh (``dist_utils._dist_reduce_tensor``), and a stage before the last
+    reduces the value handed to it over its own loss mesh of the same size, so the local value is what it needs;
+    without them torchtitan logs ``loss.item()``, the DTensor's full value (the local one when replicated).
+    """
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(loss, DTensor):
+        return loss
+    return loss.to_local() if dp_cp_enabled else loss.full_tensor()
 
 
 def _drop_loss_rank_advice(record: logging.LogRecord) -> bool:

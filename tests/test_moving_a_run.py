@@ -108,6 +108,7 @@ def test_a_checkpoint_resumes_on_another_layout_and_vendor_mix_with_the_same_los
     _same(_losses(run), _losses(runs["reference"]), range(11, 21))
     moved = [line for line in log.splitlines() if "on a new layout" in line]
     assert len(moved) == 1 and "the trajectory" in moved[0], log[-3000:]
+    assert "vendors nvidia:2,amd:2 -> " in moved[0], moved[0]  # every move here leaves the AMD pair
 
 
 def test_tp2_and_fsdp_shards_to_one_process_and_the_optimizer_state_travels(runs) -> None:

@@ -21,10 +21,10 @@ that one aside (``set_aside``) instead of replacing it, and ``prune`` removes in
 trajectory depends on (``TRAJECTORY``), which a resume keeps unless told otherwise
 (``checkpoint.resume_changed``), so that a resumed run continues the run that wrote the checkpoint. A checkpoint
 keyed by global names (``meta.json`` ``"keys": "global"``, see ``bimetal.train.checkpoint``) may be resumed on
-another layout (``LAYOUT``: pp split, dp, dp_shard, tp, per-stage shapes; the vendor mix is not recorded at
-all): ``check_meta`` names the change in one sentence. One written before (no ``"keys"``) holds per-rank state
-of its own ranks and is refused on any other layout. Used by the trainer and by the checks before any rank
-starts.
+another layout (``LAYOUT``: pp split, dp, dp_shard, tp, per-stage shapes; and the vendor mix, which the ranks
+record as ``vendors``): ``check_meta`` names the change in one sentence. One written before (no ``"keys"``)
+holds per-rank state of its own ranks and is refused on any other layout. Used by the trainer and by the checks
+before any rank starts.
 """
 
 from __future__ import annotations
@@ -321,6 +321,9 @@ def moved(saved: dict[str, Any], meta: dict[str, Any]) -> list[tuple[str, Any, A
         was, now = saved.get(key, _META_DEFAULTS.get(key)), meta.get(key, _META_DEFAULTS.get(key))
         if was != now:
             out.append((key, was, now))
+    # the vendor mix, where both sides know it (the ranks record it; the checks before ranks start do not)
+    if "vendors" in saved and "vendors" in meta and saved["vendors"] != meta["vendors"]:
+        out.append(("vendors", saved["vendors"], meta["vendors"]))
     return out
 
 

@@ -4,7 +4,8 @@ Files: plain text, JSONL with a ``text`` field, or pre-tokenized ``.bin`` shards
 Nothing is downloaded; an empty path means the corpus shipped in ``bimetal/data``.
 The stream is a fixed, seeded permutation of non-overlapping windows of ``seq_len + 1`` tokens; replica
 ``r`` of ``n`` takes every ``n``-th window starting at ``r``, so all replicas together see each window
-once per epoch, and the only state to save is the number of windows this replica has consumed.
+once per epoch, and the only state to save is the number of windows this replica has consumed; times the
+replica count (``position``), that is the run's position, which a run of another dp continues from (``seek``).
 """
 
 from __future__ import annotations

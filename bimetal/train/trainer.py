@@ -331,6 +331,11 @@ def _run(cfg: TrainConfig, ctx: Any, smesh: Any, models: Any, args: Any, split: 
         del hidden, ids, logits
     folder = cfg.checkpoint.folder or f"{cfg.metrics.run_dir}/checkpoints"
     meta = run_meta(cfg, split)
+    if ctx is not None:  # the vendor mix, rank by rank ("nvidia:2,amd:2"): a move to another one is logged
+        mix: dict[str, int] = {}
+        for r in range(ctx.world_size):
+            mix[ctx.view.vendor_of(r)] = mix.get(ctx.view.vendor_of(r), 0) + 1
+        meta["vendors"] = ",".join(f"{v}:{n}" for v, n in mix.items())
     # Sharded (tp=1): the first replica group writes, each shard owner its own part of local shards.
     # Otherwise the stage's first replica writes whole tensors (tp rank 0, after the stage's ranks gather each
     # DTensor: FSDP x TP shards are 2-D), and a load reads each rank's slices of them.

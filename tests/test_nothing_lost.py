@@ -204,7 +204,7 @@ def _checkpoint_weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
 
     out = run_dir / f"weights-{step}.pt"
     dcp_to_torch_save(str(run_dir / "checkpoints" / f"step-{step:06d}" / "stage0"), str(out))
-    return torch.load(out, weights_only=False)["stage0"]["model"]
+    return torch.load(out, weights_only=False)["model"]
 
 
 def test_python_export_replaces_sharded_single_and_back(tmp_path: Path) -> None:

@@ -94,7 +94,7 @@ def _stage_weights(run: Path, step: int = 20) -> dict[str, torch.Tensor]:
             parts.append(_flat(torch.load(out, weights_only=False)))  # our own file
             lays.append(layouts[part_dir.name])
         whole = assemble(parts, lays)  # type: ignore[arg-type]
-        prefix = f"{stage}.model."
+        prefix = "model."  # keyed by the whole model's names
         weights.update({k[len(prefix):]: v for k, v in whole.items() if k.startswith(prefix)})
     assert weights, f"no sharded stage under {folder}"
     return weights

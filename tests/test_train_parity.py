@@ -86,7 +86,7 @@ def _weights(run_dir: Path, step: int = 20) -> dict[str, torch.Tensor]:
         out = run_dir / f"weights-{step}-{stage_dir.name}.pt"
         dcp_to_torch_save(str(stage_dir), str(out))
         saved = torch.load(out, weights_only=False)  # our own file; holds optimizer param groups too
-        weights.update({name: t for part in saved.values() for name, t in part["model"].items()})
+        weights.update(saved["model"])  # keyed by the whole model's names
     assert weights, f"no stage checkpoint under {run_dir}"
     return weights
 

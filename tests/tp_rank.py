@@ -96,7 +96,7 @@ def run_family(family: str, mesh, results: list[dict], folder: Path) -> None:
                            writer=rank == 0)
     stored = dcp.FileSystemReader(str(path / "stage0")).read_metadata().state_dict_metadata
     for name, p in ref.named_parameters():
-        size = stored[f"stage0.model.{name}"].size
+        size = stored[f"model.{name}"].size
         check(f"stored whole {name}", tuple(size) == tuple(p.shape), str(tuple(size)))
 
     def reload(model: torch.nn.Module) -> torch.optim.Optimizer:

@@ -17,8 +17,24 @@ leaves at most a temp folder that the next save replaces; a step folder already 
 over) is set aside as ``step-N.damaged``, never replaced.
 Per-rank state that is not a tensor (data position, RNG) goes into ``extra-rank<R>.json``: JSON, not pickle.
 A tensor-parallel stage is saved as whole tensors (its tp ranks gather each ``DTensor``, tp rank 0 writes)
-and each rank loads only its own slices; ``meta.json`` records tp, and a resume onto another tp is refused
-because the per-rank extras belong to the old layout's ranks.
+and each rank loads only its own slices.
+
+One checkpoint, any layout: every tensor is keyed by its name in the whole model (``model.layers.7.attention.
+wq.weight``, ``optim.state.layers.7.attention.wq.weight.exp_avg``: the layer index is the whole model's, never
+the stage's), and ``extra-rank<R>.json`` holds the run's global position (the step, the scheduler, the data
+windows taken by all replicas together, the RNG), equal on every rank. ``meta.json`` says so (``"keys":
+"global"``). A resume on the layout that wrote it reads each rank's own part and extra as before; a resume on
+another layout (pp split, dp, dp_shard, tp, per-stage shapes, vendor mix) reads, for each tensor this rank holds,
+the stage part of the old split that holds its name (``load_moved``): DCP reshards the whole tensors into this
+rank's ``DTensor`` slices (tp, FSDP), still with ``no_dist=True`` and one folder per stage, so nothing is
+planned over the network. Such a rank takes rank 0's extra: the step, data position and learning rate are the
+run's; the RNG state of rank 0 is every rank's (each rank seeds alike and training draws nothing from it: the
+data order has its own generator and the models have no dropout). The optimizer's hyper-parameters come from the
+config (kept by the trajectory check), its learning rate from the scheduler. An FSDP stage written as shard
+parts (``stage<S>-shard<I>``, see ``shards``) is joined into whole tensors by each reading rank (``assemble``)
+and cut into its slices.
+Checkpoints written before the global keys (their tensors under ``stage<N>.``) load on their own layout
+(``legacy``), and are refused on another one.
 """
 
 from __future__ import annotations
@@ -56,13 +72,14 @@ from bimetal.train.ckpt_files import (
 )
 
 __all__ = ["MARKER", "Scan", "agree_latest", "apply_training_state", "check_meta", "damage", "latest", "load",
-           "prune", "rng_state", "save", "set_rng_state", "training_state"]
+           "load_moved", "prune", "rng_state", "save", "set_rng_state", "training_state"]
 _log = logging.getLogger(__name__)
 _WHY_BYTES = 512  # the reason a rank found a checkpoint damaged, sent to the others as UTF-8 (cut to this)
 
 
-def training_state(model: nn.Module, opt: torch.optim.Optimizer, stage: int) -> dict[str, Any]:
-    """Model and optimizer state of one stage, keyed ``stage<N>`` so stages never collide in the DCP store.
+def training_state(model: nn.Module, opt: torch.optim.Optimizer, stage: int, legacy: bool = False) -> dict[str, Any]:
+    """Model and optimizer state of one stage under the whole model's names (``legacy``: under ``stage<N>``, as
+    checkpoints before the global keys held it).
 
     ``get_state_dict`` keys optimizer state by parameter name and creates it if no step has run yet, which a
     load needs: DCP fills only the tensors the target already has, so a fresh optimizer would load nothing.
@@ -70,12 +87,14 @@ def training_state(model: nn.Module, opt: torch.optim.Optimizer, stage: int) -> 
     only each rank's slice back.
     """
     model_sd, optim_sd = get_state_dict(model, opt)
-    return {f"stage{stage}": {"model": model_sd, "optim": optim_sd}}
+    state = {"model": model_sd, "optim": optim_sd}
+    return {f"stage{stage}": state} if legacy else state
 
 
-def apply_training_state(model: nn.Module, opt: torch.optim.Optimizer, stage: int, state: dict[str, Any]) -> None:
+def apply_training_state(model: nn.Module, opt: torch.optim.Optimizer, stage: int, state: dict[str, Any],
+                         legacy: bool = False) -> None:
     """Put a loaded ``training_state`` back into ``model`` and ``opt``."""
-    part = state[f"stage{stage}"]
+    part = state[f"stage{stage}"] if legacy else state
     set_state_dict(model, opt, model_state_dict=part["model"], optim_state_dict=part["optim"])
 
 
@@ -148,14 +167,14 @@ def save(folder: str | Path, step: int, state: dict[str, Any], extra: dict[str, 
     return final
 
 
-def agree_latest(folder: str | Path, rank: int, reads: Callable[[str], bool],
+def agree_latest(folder: str | Path, rank: int, reads: Callable[[Path, str], bool],
                  group: dist.ProcessGroup | None = None) -> Scan:
     """The reading of ``folder`` every rank shares (``ckpt_files.scan``); every rank calls this.
 
     Each rank checks the whole checkpoint's marker, sizes and JSON files, and reads the files it will load
-    (``reads`` selects them by name) against their checksums; the ranks then agree (a MIN over the world) on
-    each verdict: a checkpoint any rank found damaged is passed over by all, with the reason of the lowest rank
-    that found it (sent to every rank), so every rank holds the same ``Scan``.
+    (``reads`` selects them by checkpoint and name) against their checksums; the ranks then agree (a MIN over
+    the world) on each verdict: a checkpoint any rank found damaged is passed over by all, with the reason of
+    the lowest rank that found it (sent to every rank), so every rank holds the same ``Scan``.
     """
     world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
 
@@ -181,12 +200,91 @@ def load(path: Path, state: dict[str, Any], rank: int, shard: str = "stage0") ->
     """Load this rank's part (``shard``) into ``state`` in place and return this rank's JSON extra."""
     if not (path / shard).is_dir():
         raise UserError(f"checkpoint {path} has no {shard}/ part; it was written for another layout or is damaged.")
+    _read(path, path / shard, state)
+    return _extra(path, rank)
+
+
+def load_moved(path: Path, state: dict[str, Any], split: list[int], stage_of: Callable[[str, list[int]], int]
+               ) -> dict[str, Any]:
+    """Load ``state`` (``{"model": {name: tensor}, "optim": {"state": {name: {key: tensor}}}}``, whole-model
+    names) from a checkpoint written on another layout, whose stage split was ``split``: each name from the part
+    of the stage (``stage_of``) that held it. Returns rank 0's extra, the run's global position."""
+    by_stage: dict[int, dict[str, Any]] = {}
+    for name, t in state["model"].items():
+        by_stage.setdefault(stage_of(name, split), {"model": {}, "optim": {"state": {}}})["model"][name] = t
+    for name, s in state["optim"]["state"].items():
+        by_stage.setdefault(stage_of(name, split), {"model": {}, "optim": {"state": {}}})["optim"]["state"][name] = s
+    for stage, part in sorted(by_stage.items()):
+        folder = path / f"stage{stage}"
+        if folder.is_dir():
+            _read(path, folder, part)  # whole tensors: DCP reads each DTensor's slice itself
+        elif any(path.glob(f"stage{stage}-shard*")):
+            _read_shards(path, stage, part)
+        else:
+            raise UserError(f"checkpoint {path} has no part for its stage {stage}; it is damaged.")
+    return _extra(path, 0)
+
+
+def _flat(state: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``state`` as one level, its keys joined with dots as DCP flattens them."""
+    out: dict[str, Any] = {}
+    for key, value in state.items():
+        name = f"{prefix}.{key}" if prefix else str(key)
+        out.update(_flat(value, name) if isinstance(value, dict) else {name: value})
+    return out
+
+
+def _read_shards(path: Path, stage: int, part: dict[str, Any]) -> None:
+    """Fill ``part`` from the FSDP shard parts of ``stage`` (``stage<S>-shard<I>/``, local shards and their
+    layout in the writers' extras, ``shards``): each part read whole by this process, the shards joined into
+    whole tensors, then this rank's slice of each taken (``distribute_tensor`` without a source rank cuts it
+    locally: no traffic)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from torch.distributed.tensor import distribute_tensor
+
+    from bimetal.train.shards import assemble
+
+    layouts = {}
+    for f in path.glob("extra-rank*.json"):
+        extra = json.loads(f.read_text())
+        if "shards" in extra:
+            layouts[extra["shards"]["part"]] = extra["shards"]["tensors"]
+    want = _flat(part)
+    pieces, lays = [], []
+    for folder in sorted(path.glob(f"stage{stage}-shard*")):
+        stored = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+        buf = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in stored.items()
+               if k in want and isinstance(m, TensorStorageMetadata)}
+        _read(path, folder, buf)
+        pieces.append(buf)
+        lays.append(layouts.get(folder.name, {}))
+    whole = assemble(pieces, lays)
+    for key, target in want.items():
+        if key not in whole:
+            raise UserError(f"checkpoint {path} holds no {key} in its stage {stage}; it was written for another "
+                            "model or is damaged.")
+        with torch.no_grad():
+            if isinstance(target, DTensor):
+                mine = distribute_tensor(whole[key], target.device_mesh, target.placements, src_data_rank=None)
+                target.to_local().copy_(mine.to_local())
+            else:
+                target.copy_(whole[key])
+
+
+def _extra(path: Path, rank: int) -> dict[str, Any]:
+    extra = json.loads((path / f"extra-rank{rank}.json").read_text())
+    assert isinstance(extra, dict)  # checked as a JSON object by damage()
+    return extra
+
+
+def _read(path: Path, folder: Path, state: dict[str, Any]) -> None:
+    """DCP-load ``folder`` (one part of the checkpoint ``path``) into ``state``, in place, by this process alone."""
     quiet = _QuietLoader()  # DCP logs each failed metadata read with a traceback on the root logger
     logging.getLogger().addFilter(quiet)
     try:
         with _no_single_process_warning():
-            dcp.load(state, checkpoint_id=str(path / shard), no_dist=True)
-        return json.loads((path / f"extra-rank{rank}.json").read_text())
+            dcp.load(state, checkpoint_id=str(folder), no_dist=True)
     except (Exception, CheckpointException) as exc:  # damage that keeps file sizes shows only here
         # DCP wraps the cause in a report holding the rank's traceback: its last line says what went wrong.
         lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()] or [type(exc).__name__]

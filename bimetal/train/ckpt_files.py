@@ -17,10 +17,14 @@ checkpoint among the ones there is refused (``Scan.refusal``), a run that is not
 checkpoints already are (``check_fresh``), a save whose step folder is already taken by one passed over sets
 that one aside (``set_aside``) instead of replacing it, and ``prune`` removes intact checkpoints only.
 
-``run_meta`` is what ``meta.json`` records of the config: the layout (a resume onto another one is refused: the
-per-rank state belongs to the old ranks) and the settings the loss trajectory depends on (``TRAJECTORY``), which
-a resume keeps unless told otherwise (``checkpoint.resume_changed``), so that a resumed run continues the run
-that wrote the checkpoint. Used by the trainer and by the checks before any rank starts.
+``run_meta`` is what ``meta.json`` records of the config: the model, the layout and the settings the loss
+trajectory depends on (``TRAJECTORY``), which a resume keeps unless told otherwise
+(``checkpoint.resume_changed``), so that a resumed run continues the run that wrote the checkpoint. A checkpoint
+keyed by global names (``meta.json`` ``"keys": "global"``, see ``bimetal.train.checkpoint``) may be resumed on
+another layout (``LAYOUT``: pp split, dp, dp_shard, tp, per-stage shapes; and the vendor mix, which the ranks
+record as ``vendors``): ``check_meta`` names the change in one sentence. One written before (no ``"keys"``)
+holds per-rank state of its own ranks and is refused on any other layout. Used by the trainer and by the checks
+before any rank starts.
 """
 
 from __future__ import annotations
@@ -38,17 +42,28 @@ from bimetal.config import TrainConfig
 from bimetal.errors import UserError
 
 MARKER = "COMPLETE"
-LAYOUT = ("family", "flavour", "layers_per_stage", "dp", "dp_shard", "tp", "stage_shapes")
-"""``meta.json`` keys of the layout: a checkpoint of another one is refused, with or without resume_changed."""
-TRAJECTORY = ("model.seed", "data.path", "data.tokenizer", "data.bin_dtype", "data.seq_len", "data.batch_size",
-              "data.global_batch_size",
-              "parallel.microbatches", "optim.grad_accum", "optim.lr", "optim.weight_decay", "optim.beta1",
+MODEL = ("family", "flavour")
+"""``meta.json`` keys of the model: a checkpoint of another one is refused, with or without resume_changed."""
+LAYOUT = ("layers_per_stage", "dp", "dp_shard", "tp", "stage_shapes")
+"""``meta.json`` keys of the layout: another one is taken by a checkpoint keyed by global names (``GLOBAL``),
+refused for an older one."""
+GLOBAL = "global"
+"""``meta.json`` ``keys`` of a checkpoint whose tensors are keyed by their names in the whole model and whose
+data position and step are global (``bimetal.train.checkpoint``): it loads onto any layout."""
+PER_REPLICA = ("data.batch_size", "data.global_batch_size", "parallel.microbatches")
+"""Trajectory keys that say how the global batch is cut into replicas and microbatches: compared through
+``global_batch`` (the rows of one accumulation step over all replicas) where the checkpoint records it."""
+TRAJECTORY = ("model.seed", "data.path", "data.tokenizer", "data.bin_dtype", "data.seq_len", "global_batch",
+              *PER_REPLICA, "optim.grad_accum", "optim.lr", "optim.weight_decay", "optim.beta1",
               "optim.beta2", "optim.eps", "optim.warmup_steps", "optim.min_lr_ratio", "optim.grad_clip",
               "training.steps", "training.seed", "training.dtype", "parallel.pp_boundary_dtype")
 """Config keys the loss trajectory of a run depends on: which tokens each step reads (data, batch, sequence
 length, accumulation, data seed), what the model computes with them (initial weights' seed, precision, the
 microbatch split's rounding, the precision of what crosses a pipeline boundary) and how the weights move
-(optimizer, and ``training.steps``, which sets the learning-rate schedule). Everything else (transports,
+(optimizer, and ``training.steps``, which sets the learning-rate schedule). ``global_batch`` is derived (rows per
+accumulation step over all replicas); the ``PER_REPLICA`` keys it comes from are compared through it where both
+sides record it: a new layout keeps the trajectory by keeping the global batch, cut into its own dp replicas and
+microbatches (only float rounding differs). Everything else (transports,
 schedule kind, activation checkpointing, timeouts, checkpoint and metrics settings) leaves the trajectory as it
 is and may change on a resume."""
 # Keys added after checkpoints without them were written: their value in those checkpoints.
@@ -57,6 +72,8 @@ _CHUNK = 4 << 20
 
 
 def _setting(cfg: TrainConfig, key: str) -> Any:
+    if key == "global_batch":
+        return cfg.global_batch
     section, _, name = key.partition(".")
     value = getattr(getattr(cfg, section), name)
     if key in ("data.path", "data.tokenizer") and value and value != "byte":
@@ -71,7 +88,7 @@ def run_meta(cfg: TrainConfig, split: list[int]) -> dict[str, Any]:
     # per-stage list is overridden by it: recording it would record a value the run did not use); a uniform
     # layout records the uniform keys and stage_shapes None
     uniform = not cfg.per_stage
-    return {"family": cfg.model.family, "flavour": cfg.model.flavour, "layers_per_stage": split,
+    return {"keys": GLOBAL, "family": cfg.model.family, "flavour": cfg.model.flavour, "layers_per_stage": split,
             "dp": p.dp if uniform else None, "dp_shard": p.dp_shard if uniform else None,
             "tp": p.tp if uniform else None,
             "stage_shapes": None if uniform else [list(s) for s in cfg.stage_shapes()],
@@ -125,12 +142,13 @@ def _is_json(name: str) -> bool:
     return name == "meta.json" or (name.startswith("extra-rank") and name.endswith(".json"))
 
 
-def damage(path: Path, verify: bool | Callable[[str], bool] = False) -> str | None:
+def damage(path: Path, verify: bool | Callable[[Path, str], bool] = False) -> str | None:
     """Why the complete checkpoint ``path`` cannot be used, or None if it can.
 
     Always: the marker, every listed file's presence and size, and the JSON files (small): their contents and
     their CRC-32, so a ``meta.json`` changed in place is damage wherever it is read. The other files ``verify``
-    selects (all with True) are also read whole against their CRC-32. A checkpoint from before the manifest
+    selects (all with True; a callable gets the checkpoint and the file's name) are also read whole against
+    their CRC-32. A checkpoint from before the manifest
     existed (a marker with the step only) is checked for its JSON files alone.
     """
     marker = _marker(path)
@@ -151,7 +169,8 @@ def damage(path: Path, verify: bool | Callable[[str], bool] = False) -> str | No
                 return why
     sums: dict[str, int] = marker.get("crc32", {})
     for name, crc in sums.items():
-        if (_is_json(name) or verify is True or (callable(verify) and verify(name))) and crc32(path / name) != crc:
+        read = _is_json(name) or verify is True or (callable(verify) and verify(path, name))
+        if read and crc32(path / name) != crc:
             return f"{name} is not what was written: its checksum differs"
     return None
 
@@ -207,7 +226,7 @@ class Scan:
                 "repair one, or move them away (or set checkpoint.folder to another folder) to start from step 0.")
 
 
-def scan(folder: str | Path, verify: bool | Callable[[str], bool] = False,
+def scan(folder: str | Path, verify: bool | Callable[[Path, str], bool] = False,
          agree: Callable[[Path, str | None], str | None] | None = None) -> Scan:
     """The one reading of a checkpoint folder: its step folders newest first, each read with ``damage`` (the files
     ``verify`` selects against their checksums) until one can be used.
@@ -236,7 +255,7 @@ def skipped_note(path: Path, why: str, instead: Path | None) -> str:
 
 
 def latest(folder: str | Path, warn: Callable[[str], None] | None = None,
-           verify: bool | Callable[[str], bool] = False) -> Path | None:
+           verify: bool | Callable[[Path, str], bool] = False) -> Path | None:
     """The newest complete and intact checkpoint under ``folder``, or None (``scan``, by this process alone).
 
     A newer one that is damaged is skipped in favour of the one before it; ``warn`` gets one sentence for it.
@@ -298,30 +317,53 @@ def saved_meta(path: Path) -> dict[str, Any]:
     return saved
 
 
-def check_meta(path: Path, meta: dict[str, Any], accept_changes: bool = False,
-               note: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Refuse (``UserError``) a resume from ``path`` by a run of ``meta`` that has another layout, or changed
-    settings of its trajectory unless ``accept_changes`` (then ``note`` gets one sentence listing them)."""
-    saved = saved_meta(path)
+def moved(saved: dict[str, Any], meta: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """(key, saved, now) of each layout key (``LAYOUT``) in which ``meta`` differs from the checkpoint's ``saved``."""
+    out = []
     for key in LAYOUT:
         if key in ("dp", "dp_shard", "tp") and (saved.get("stage_shapes") or meta.get("stage_shapes")):
             continue  # per-stage (either run): stage_shapes says it all (older checkpoints recorded the keys too)
         was, now = saved.get(key, _META_DEFAULTS.get(key)), meta.get(key, _META_DEFAULTS.get(key))
         if was != now:
+            out.append((key, was, now))
+    # the vendor mix, where both sides know it (the ranks record it; the checks before ranks start do not)
+    if "vendors" in saved and "vendors" in meta and saved["vendors"] != meta["vendors"]:
+        out.append(("vendors", saved["vendors"], meta["vendors"]))
+    return out
+
+
+def check_meta(path: Path, meta: dict[str, Any], accept_changes: bool = False,
+               note: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Refuse (``UserError``) a resume from ``path`` by a run of ``meta`` that has another model, another layout
+    where the checkpoint is not keyed by global names, or changed settings of its trajectory unless
+    ``accept_changes``; ``note`` gets one sentence for a new layout and one listing accepted changes."""
+    saved = saved_meta(path)
+    for key in MODEL:
+        was, now = saved.get(key), meta.get(key)
+        if was != now:
             raise UserError(f"checkpoint {path} is for {key}={was!r} but this run has {key}={now!r}; point "
                             "checkpoint.folder elsewhere or match the config.")
+    layout = moved(saved, meta)
+    if layout and saved.get("keys") != GLOBAL:
+        key, was, now = layout[0]
+        raise UserError(f"checkpoint {path} is for {key}={was!r} but this run has {key}={now!r}, and it was written "
+                        "before checkpoints were keyed by global names, so it holds the state of its own ranks: "
+                        "resume it on the layout that wrote it.")
     was_t, now_t = saved.get("trajectory"), meta.get("trajectory", {})
-    if not isinstance(was_t, dict):  # written before the settings were recorded: nothing to compare
-        return saved
-    changed = [(k, was_t[k], now_t.get(k)) for k in TRAJECTORY if k in was_t and was_t[k] != now_t.get(k)]
-    if changed and not accept_changes:
-        key, was, now = changed[0]
-        more = f" (and {len(changed) - 1} more setting(s))" if len(changed) > 1 else ""
-        raise UserError(f"checkpoint {path} was written with {key}={was!r} but this run has {key}={now!r}{more}; "
-                        "a resume with it would not continue that run's loss trajectory: restore the setting, or "
-                        "add --resume-changed to accept the change.")
-    if changed and note is not None:
-        note(f"resuming from {path} with changed settings (--resume-changed): "
-             + ", ".join(f"{k} {was!r} -> {now!r}" for k, was, now in changed)
-             + "; the loss trajectory is no longer that of the run that wrote it.")
+    if isinstance(was_t, dict):  # written before the settings were recorded: nothing to compare
+        keys = [k for k in TRAJECTORY if not ("global_batch" in was_t and k in PER_REPLICA)]
+        changed = [(k, was_t[k], now_t.get(k)) for k in keys if k in was_t and was_t[k] != now_t.get(k)]
+        if changed and not accept_changes:
+            key, was, now = changed[0]
+            more = f" (and {len(changed) - 1} more setting(s))" if len(changed) > 1 else ""
+            raise UserError(f"checkpoint {path} was written with {key}={was!r} but this run has {key}={now!r}{more}; "
+                            "a resume with it would not continue that run's loss trajectory: restore the setting, or "
+                            "add --resume-changed to accept the change.")
+        if changed and note is not None:
+            note(f"resuming from {path} with changed settings (--resume-changed): "
+                 + ", ".join(f"{k} {was!r} -> {now!r}" for k, was, now in changed)
+                 + "; the loss trajectory is no longer that of the run that wrote it.")
+    if layout and note is not None:
+        note(f"resuming from {path} on a new layout: " + ", ".join(f"{k} {was} -> {now}" for k, was, now in layout)
+             + "; the trajectory (model, global batch, data order, optimizer state) is kept.")
     return saved

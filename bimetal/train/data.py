@@ -4,7 +4,8 @@ Files: plain text, JSONL with a ``text`` field, or pre-tokenized ``.bin`` shards
 Nothing is downloaded; an empty path means the corpus shipped in ``bimetal/data``.
 The stream is a fixed, seeded permutation of non-overlapping windows of ``seq_len + 1`` tokens; replica
 ``r`` of ``n`` takes every ``n``-th window starting at ``r``, so all replicas together see each window
-once per epoch, and the only state to save is the number of windows this replica has consumed.
+once per epoch, and the only state to save is the number of windows this replica has consumed; times the
+replica count (``position``), that is the run's position, which a run of another dp continues from (``seek``).
 """
 
 from __future__ import annotations
@@ -103,6 +104,21 @@ class TokenStream:
 
     def state_dict(self) -> dict[str, int]:
         return {"consumed": self.consumed, "dp_rank": self.dp_rank, "dp_size": self.dp_size, "seed": self.seed}
+
+    def position(self) -> int:
+        """Windows taken by all replicas together: the data position of the run, whatever its dp."""
+        return self.consumed * self.dp_size
+
+    def seek(self, windows: int, seed: int) -> None:
+        """Continue from the run's position ``windows`` (``position``), saved by a run of any dp: each replica
+        takes its share of the same global batches. Exact within an epoch; where ``n_windows`` is not a multiple
+        of both dp sizes, the windows left over at an epoch's end differ between them, as in two uninterrupted
+        runs of those dp sizes."""
+        if seed != self.seed or windows % self.dp_size:
+            raise UserError(f"the checkpoint's data position ({windows} windows, seed {seed}) does not divide "
+                            f"among this run's {self.dp_size} replicas with seed {self.seed}; resume with the "
+                            "global batch and seed it was written with.")
+        self.consumed = windows // self.dp_size
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         if (state["dp_size"], state["seed"]) != (self.dp_size, self.seed):

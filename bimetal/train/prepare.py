@@ -210,9 +210,11 @@ def check_outputs(cfg: TrainConfig) -> None:
 def check_checkpoints(cfg: TrainConfig) -> None:
     """What the checkpoint folder holds against what the run will do with it. A run that is not a resume: no
     checkpoints there (its saves would replace them). A resume: the newest usable checkpoint, read as the ranks
-    read it (``ckpt_files.scan``, here every file against its checksum) and checked against the config (layout,
-    and the settings its trajectory depends on unless ``checkpoint.resume_changed``); where the folder holds
-    checkpoints but none is usable, refused, naming each and why. The ranks read the folder again."""
+    read it (``ckpt_files.scan``, here every file against its checksum) and checked against the config (the model;
+    the layout for a checkpoint written before global keys, any layout being fine for one keyed by global names;
+    the settings its trajectory depends on unless ``checkpoint.resume_changed``); where the folder holds
+    checkpoints but none is usable, refused, naming each and why. The ranks read the folder again (and log a
+    move to a new layout)."""
     from bimetal.train.ckpt_files import check_fresh, check_meta, run_meta, scan
 
     folder = checkpoint_folder(cfg)

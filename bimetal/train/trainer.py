@@ -33,7 +33,7 @@ from bimetal.errors import JobAborted, UserError
 from bimetal.supervisor import report_step
 from bimetal.topology.local_device import bind_rank_device
 from bimetal.train import checkpoint
-from bimetal.train.ckpt_files import run_meta
+from bimetal.train.ckpt_files import GLOBAL, moved, run_meta
 from bimetal.train.comm_report import pipeline_transport, write_comm_report
 from bimetal.train.console import StepConsole
 from bimetal.train.data import TokenStream, load_tokens
@@ -48,7 +48,7 @@ from bimetal.train.parallelize import (
     set_gradient_sync,
     tensor_bytes,
 )
-from bimetal.train.pipeline import PipelineRunner, StageModule, boundary_dtype, stage_layer_ids
+from bimetal.train.pipeline import PipelineRunner, StageModule, boundary_dtype, stage_layer_ids, stage_of_param
 from bimetal.train.shaped import ShapedRunner
 from bimetal.train.shards import merge_loaded, part_name, to_local
 from bimetal.train.tokenizer import build_tokenizer
@@ -235,6 +235,42 @@ def _warn(message: str) -> None:
     _log.warning("%s", message)
 
 
+def _reads(meta: dict[str, Any], rank: int, part: str, split: list[int], stage: int) -> Any:
+    """Which files of a checkpoint this rank reads back against their checksums before it resumes: the JSON
+    files, and its own part; where the checkpoint is of another layout (keyed by global names), the parts of the
+    old stages holding any of this stage's layers (``checkpoint.load_moved``)."""
+    import json
+
+    first, last = stage == 0, stage == len(split) - 1
+    mine = set(stage_layer_ids(split, stage))
+    known: dict[Any, set[str]] = {}
+
+    def parts(path: Any) -> set[str]:
+        if path not in known:
+            known[path] = _parts(path)
+        return known[path]
+
+    def _parts(path: Any) -> set[str]:
+        try:
+            saved = json.loads((path / "meta.json").read_text())
+            old = [int(n) for n in saved["layers_per_stage"]]
+        except (OSError, ValueError, KeyError, TypeError):
+            return {part}  # damage() reports the file itself
+        if saved.get("keys") != GLOBAL or not moved(saved, meta):
+            return {part}
+        held = {s for s in range(len(old)) if mine & set(stage_layer_ids(old, s))}
+        held |= ({0} if first else set()) | ({len(old) - 1} if last else set())
+        return {f"stage{s}" for s in held}
+
+    def reads(path: Any, name: str) -> bool:
+        if name in ("meta.json", f"extra-rank{rank}.json", "extra-rank0.json"):
+            return True
+        top, held = name.split("/")[0], parts(path)
+        return top in held or top.split("-")[0] in held  # its own part, or every shard part of a stage it reads
+
+    return reads
+
+
 def _build_stage(cfg: TrainConfig, ctx: Any, models: Any, args: Any, split: list[int], stage: int, n_stages: int,
                  device: torch.device, amp: torch.dtype | None, smesh: Any) -> tuple[Any, StageModule, Any]:
     """This rank's stage, in torchtitan's order: the model part, tensor parallelism, activation checkpointing,
@@ -294,6 +330,11 @@ def _run(cfg: TrainConfig, ctx: Any, smesh: Any, models: Any, args: Any, split: 
         del hidden, ids, logits
     folder = cfg.checkpoint.folder or f"{cfg.metrics.run_dir}/checkpoints"
     meta = run_meta(cfg, split)
+    if ctx is not None:  # the vendor mix, rank by rank ("nvidia:2,amd:2"): a move to another one is logged
+        mix: dict[str, int] = {}
+        for r in range(ctx.world_size):
+            mix[ctx.view.vendor_of(r)] = mix.get(ctx.view.vendor_of(r), 0) + 1
+        meta["vendors"] = ",".join(f"{v}:{n}" for v, n in mix.items())
     # Sharded (tp=1): the first replica group writes, each shard owner its own part of local shards.
     # Otherwise the stage's first replica writes whole tensors (tp rank 0, after the stage's ranks gather each
     # DTensor: FSDP x TP shards are 2-D), and a load reads each rank's slices of them.
@@ -309,7 +350,7 @@ def _run(cfg: TrainConfig, ctx: Any, smesh: Any, models: Any, args: Any, split: 
     # Each rank reads its own part, its extra and the meta back against their checksums; all take the newest
     # checkpoint no rank found damaged. Where none is usable among the ones there, every rank stops: starting
     # from step 0 would replace them and pruning delete them.
-    reads = lambda name: name in ("meta.json", f"extra-rank{rank}.json") or name.startswith(part + "/")  # noqa: E731
+    reads = _reads(meta, rank, part, split, stage)
     found = checkpoint.agree_latest(folder, rank, reads) if resume else None
     path = found.found if found is not None else None
     if found is not None:
@@ -322,17 +363,27 @@ def _run(cfg: TrainConfig, ctx: Any, smesh: Any, models: Any, args: Any, split: 
     if resume and path is None and rank == 0:
         print(f"no checkpoint in {folder}; starting from step 0", flush=True)
     if path is not None:
-        checkpoint.check_meta(path, meta, cfg.checkpoint.resume_changed, note=_warn if rank == 0 else None)
-        state = checkpoint.training_state(model, opt, stage)
-        if not local_shards:  # DTensors read their slices of the whole tensors
-            extra = checkpoint.load(path, state, rank, shard=part)
-            checkpoint.apply_training_state(model, opt, stage, state)
-        else:  # FSDP shards are filled in place from this shard's own part; the rest comes back in `loaded`
-            loaded = to_local(state, {})
-            extra = checkpoint.load(path, loaded, rank, shard=part)
-            checkpoint.apply_training_state(model, opt, stage, merge_loaded(state, loaded))
-        sched.load_state_dict(extra["sched"])
-        stream.load_state_dict(extra["data"])
+        saved = checkpoint.check_meta(path, meta, cfg.checkpoint.resume_changed, note=_warn if rank == 0 else None)
+        legacy = saved.get("keys") != GLOBAL  # written before the global keys: on its own layout (check_meta)
+        state = checkpoint.training_state(model, opt, stage, legacy)
+        if moved(saved, meta):  # another layout: each tensor from the old stage part holding its name
+            extra = checkpoint.load_moved(path, {"model": state["model"], "optim": {"state": state["optim"]["state"]}},
+                                          saved["layers_per_stage"], stage_of_param)
+            checkpoint.apply_training_state(model, opt, stage, state)  # param groups: this run's, from the config
+            sched.load_state_dict(extra["sched"])
+            for group, lr in zip(opt.param_groups, sched.get_last_lr()):
+                group["lr"] = lr
+            stream.seek(extra["data"]["position"], extra["data"]["seed"])
+        else:
+            if not local_shards:  # DTensors read their slices of the whole tensors
+                extra = checkpoint.load(path, state, rank, shard=part)
+                checkpoint.apply_training_state(model, opt, stage, state, legacy)
+            else:  # FSDP shards are filled in place from this shard's own part; the rest comes back in `loaded`
+                loaded = to_local(state, {})
+                extra = checkpoint.load(path, loaded, rank, shard=part)
+                checkpoint.apply_training_state(model, opt, stage, merge_loaded(state, loaded), legacy)
+            sched.load_state_dict(extra["sched"])
+            stream.load_state_dict(extra["data"])
         checkpoint.set_rng_state(extra["rng"])
         start = extra["step"]
         if rank == 0:
@@ -415,7 +466,8 @@ def _run(cfg: TrainConfig, ctx: Any, smesh: Any, models: Any, args: Any, split: 
         if (every and (step + 1) % every == 0) or step + 1 == cfg.training.steps:
             shards: dict[str, list[int]] = {}
             state = checkpoint.training_state(model, opt, stage)
-            extra = {"step": step + 1, "sched": sched.state_dict(), "data": stream.state_dict(),
+            extra = {"step": step + 1, "sched": sched.state_dict(),
+                     "data": stream.state_dict() | {"position": stream.position()},
                      "rng": checkpoint.rng_state()}
             if local_shards:  # no gather; their layout goes into this rank's JSON
                 state = to_local(state, shards)

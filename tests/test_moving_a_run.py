@@ -1,0 +1,196 @@
+"""One checkpoint, any layout: a run moves to another pp split, dp, tp and vendor mix, its trajectory kept.
+
+Through ``bimetal train`` (issue 40), the debug LLaMA-3 of ``configs/demo.toml`` in float32 on CPU, sequences of
+32 tokens, a global batch of 16 rows. One uninterrupted run of 20 steps on ``nvidia:2,amd:2`` (pp=2 x dp=2,
+split [3, 1]) is the reference; its step-10 checkpoint is resumed for 10 more steps on
+
+* ``amd:1,nvidia:1`` as pp=2 x dp=1 with 8 microbatches in place of 4 (dp=2 -> dp=1, the same global batch);
+* ``nvidia:2`` as pp=1 x tp=2 (pp=2 -> pp=1, a vendor mix -> one vendor, tp=1 -> tp=2), whose step-15
+  checkpoint is resumed again by one process (tp=2 -> tp=1);
+* ``nvidia:2`` as pp=1 x dp=2 sharded (FSDP, dp_shard=2), whose step-15 checkpoint (shard parts) is resumed
+  again by one process.
+
+Each resumed run's losses equal the reference's (relative 1e-5). The optimizer state travels with the weights:
+the same step-15 checkpoint with its AdamW moments and step counts zeroed (a test double of "the optimizer was
+reset", written through ``checkpoint.save``) gives the reference's loss at step 16 (same weights) and other
+losses after it. A checkpoint in the format before global keys (a test double: the same tensors under
+``stage0.``, ``meta.json`` without ``keys``, as the trainer wrote them before) resumes on its own layout with the
+reference's losses and is refused on another one; a resume that changes the global batch, and one whose only
+checkpoint is damaged, are refused. Each refusal: exit 2, one line on stderr, nothing written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from test_train_parity import DEMO, EXE
+
+pytestmark = pytest.mark.timeout(300)
+RUN = ["train", "--config", str(DEMO), "--training.steps=20", "--checkpoint.every=10", "--metrics.log_every=100",
+       "--data.seq_len=32", "--training.dtype=float32"]
+ONE = ["--parallel.pp=1", "--parallel.layers_per_stage=[]", "--parallel.dp=1", "--data.batch_size=16",
+       "--parallel.microbatches=8"]
+"""One process holding the whole model and the whole global batch."""
+PP1 = ["--simulate", "nvidia:2", "--parallel.pp=1", "--parallel.layers_per_stage=[]"]
+"""Both stages' layers on one stage of ``nvidia:2``."""
+MOVES = {
+    "amd1-nvidia1-dp1": ["--simulate", "amd:1,nvidia:1", "--parallel.dp=1", "--data.batch_size=16",
+                         "--parallel.microbatches=8"],
+    "nvidia2-tp2": [*PP1, "--parallel.dp=1", "--data.batch_size=16", "--parallel.microbatches=8", "--parallel.tp=2",
+                    "--checkpoint.every=5"],
+    "nvidia2-shard2": [*PP1, "--parallel.dp_shard=2", "--checkpoint.every=5"],
+}
+"""Moves of the reference's step-10 checkpoint; the last two write step-15 checkpoints, moved again to one process."""
+RTOL = 1e-5
+
+
+def _bimetal(run: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([EXE, *RUN, f"--metrics.run_dir={run}", *args], capture_output=True, text=True,
+                          timeout=240, cwd=run.parent)
+
+
+def _losses(run: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
+
+
+def _from(ckpt: Path, run: Path) -> Path:
+    """A run folder holding a copy of the checkpoint ``ckpt`` alone."""
+    (run / "checkpoints").mkdir(parents=True)
+    shutil.copytree(ckpt, run / "checkpoints" / ckpt.name)
+    return run
+
+
+def _same(got: dict[int, float], ref: dict[int, float], steps: range) -> None:
+    assert sorted(got) == list(steps), sorted(got)
+    bad = [(s, got[s], ref[s]) for s in steps if abs(got[s] - ref[s]) > RTOL * abs(ref[s])]
+    assert not bad, bad
+
+
+def _hashes(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "/"
+            for p in sorted(folder.rglob("*"))}
+
+
+def _refused(proc: subprocess.CompletedProcess, fragment: str) -> None:
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
+    assert len(lines) == 1 and lines[0].startswith("bimetal ") and fragment in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout and "resumed from" not in proc.stdout
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The reference run and every move of its step-10 checkpoint, each run once for all the tests."""
+    base = tmp_path_factory.mktemp("moving")
+    ref = base / "reference"
+    r = _bimetal(ref, "--simulate", "nvidia:2,amd:2")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    out: dict[str, Any] = {"reference": ref, "base": base}
+    for name, args in MOVES.items():
+        run = _from(ref / "checkpoints" / "step-000010", base / name)
+        r = _bimetal(run, *args, "--resume")
+        assert r.returncode == 0, (name, r.stdout[-2000:] + r.stderr[-3000:])
+        out[name] = (run, r.stdout + r.stderr)
+    return out
+
+
+@pytest.mark.parametrize("name", list(MOVES))
+def test_a_checkpoint_resumes_on_another_layout_and_vendor_mix_with_the_same_losses(runs, name: str) -> None:
+    run, log = runs[name]
+    _same(_losses(run), _losses(runs["reference"]), range(11, 21))
+    moved = [line for line in log.splitlines() if "on a new layout" in line]
+    assert len(moved) == 1 and "the trajectory" in moved[0], log[-3000:]
+    assert "vendors nvidia:2,amd:2 -> " in moved[0], moved[0]  # every move here leaves the AMD pair
+
+
+def test_tp2_and_fsdp_shards_to_one_process_and_the_optimizer_state_travels(runs) -> None:
+    ref = _losses(runs["reference"])
+    for name, moved in (("nvidia2-tp2", "tp 2 -> 1"), ("nvidia2-shard2", "dp_shard 2 -> 1")):
+        run = _from(runs[name][0] / "checkpoints" / "step-000015", runs["base"] / f"{name}-to-one")
+        r = _bimetal(run, *ONE, "--resume")
+        assert r.returncode == 0 and moved in r.stderr, r.stdout[-2000:] + r.stderr[-3000:]
+        _same(_losses(run), ref, range(16, 21))
+
+    # The double of a reset optimizer: the same checkpoint with AdamW's moments and step counts zeroed.
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from bimetal.train import checkpoint
+
+    ckpt = runs["nvidia2-tp2"][0] / "checkpoints" / "step-000015"
+    dcp_to_torch_save(str(ckpt / "stage0"), str(runs["base"] / "tp2-15.pt"))
+    state = torch.load(runs["base"] / "tp2-15.pt", weights_only=False)  # our own file
+    for per_param in state["optim"]["state"].values():
+        for t in per_param.values():
+            t.zero_()
+    reset = runs["base"] / "reset"
+    checkpoint.save(reset / "checkpoints", 15, state, json.loads((ckpt / "extra-rank0.json").read_text()),
+                    json.loads((ckpt / "meta.json").read_text()))
+    r = _bimetal(reset, *ONE, "--resume")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    got = _losses(reset)
+    _same({16: got[16]}, ref, range(16, 17))  # the weights of step 15 are the same
+    assert all(abs(got[s] - ref[s]) > 1e-3 * ref[s] for s in range(17, 21)), (got, ref)
+
+
+def _legacy(ckpt: Path, folder: Path) -> Path:
+    """A checkpoint as the trainer wrote it before the global keys (a test double built from ``ckpt``, a
+    one-part checkpoint): its tensors under ``stage0.``, ``meta.json`` without ``keys`` nor ``global_batch``,
+    for one process of the global batch."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from bimetal.train.ckpt_files import MARKER, manifest
+
+    pt = folder.parent / "legacy.pt"
+    dcp_to_torch_save(str(ckpt / "stage0"), str(pt))
+    state = torch.load(pt, weights_only=False)  # our own file
+    out = folder / "checkpoints" / ckpt.name
+    out.mkdir(parents=True)
+    with warnings.catch_warnings():  # one process, as the trainer's parts are written
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.save({"stage0": state}, checkpoint_id=str(out / "stage0"), no_dist=True)
+    meta = json.loads((ckpt / "meta.json").read_text())
+    del meta["keys"], meta["trajectory"]["global_batch"]
+    meta |= {"tp": 1, "dp": 1, "layers_per_stage": [4]}
+    (out / "meta.json").write_text(json.dumps(meta))
+    extra = json.loads((ckpt / "extra-rank0.json").read_text())
+    del extra["data"]["position"]
+    (out / "extra-rank0.json").write_text(json.dumps(extra))
+    (out / MARKER).write_text(json.dumps({"step": int(ckpt.name[5:]), **manifest(out)}))
+    return folder
+
+
+def test_an_old_checkpoint_loads_on_its_own_layout_and_is_refused_on_another(runs) -> None:
+    ref = _losses(runs["reference"])
+    tp_run, _ = runs["nvidia2-tp2"]
+    old = _legacy(tp_run / "checkpoints" / "step-000015", runs["base"] / "legacy")
+    before = _hashes(old)
+    _refused(_bimetal(old, "--simulate", "nvidia:2", *ONE, "--parallel.dp=2", "--data.batch_size=8", "--resume"),
+             "before checkpoints were keyed by global names")
+    assert _hashes(old) == before
+    r = _bimetal(old, *ONE, "--resume")
+    assert r.returncode == 0 and "on a new layout" not in r.stderr, r.stdout[-2000:] + r.stderr[-3000:]
+    _same(_losses(old), ref, range(16, 21))
+
+
+def test_a_move_that_changes_the_trajectory_or_finds_damage_is_refused(runs) -> None:
+    ckpt = runs["reference"] / "checkpoints" / "step-000010"
+    run = _from(ckpt, runs["base"] / "refused")
+    before = _hashes(run)
+    _refused(_bimetal(run, *PP1, "--data.batch_size=4", "--resume"), "global_batch=16")
+    assert _hashes(run) == before
+    part = next((run / "checkpoints" / "step-000010" / "stage1").glob("*.distcp"))
+    data = bytearray(part.read_bytes())
+    data[len(data) // 2] ^= 0x5A
+    part.write_bytes(bytes(data))
+    before = _hashes(run)
+    _refused(_bimetal(run, *PP1, "--resume"), "found no usable checkpoint")
+    assert _hashes(run) == before

@@ -147,6 +147,12 @@ def _nonempty(name: str, raw: str) -> None:
         raise UserError(f"{name} is set but empty; unset it or give a value.")
 
 
+def _folder(name: str, raw: str) -> None:
+    _nonempty(name, raw)
+    if not os.path.isdir(raw):
+        raise UserError(f"{name}={raw!r} is not a folder; unset it or name the folder a sysfs tree is copied under.")
+
+
 def _json_object(name: str, raw: str) -> None:
     try:
         value = json.loads(raw)
@@ -207,7 +213,7 @@ VARIABLES: dict[str, Variable] = {
         "This rank's node name in the topology: ranks with one name share a node. The lab sets it per namespace; "
         "under `srun`, the Slurm node name."),
     "BIMETAL_SYSFS": Variable(
-        "network", Check("a folder", _nonempty), "`/`", "The folder sysfs is read under when GPUs are paired with "
+        "network", Check("a folder", _folder), "`/`", "The folder sysfs is read under when GPUs are paired with "
         "NICs by the PCI topology (`<folder>/sys/bus/pci`, `<folder>/sys/class/net`, `<folder>/sys/class/infiniband`"
         "). For tests and previews on a copy of a node's tree; a real job leaves it unset."),
     "BIMETAL_IFACES": Variable(

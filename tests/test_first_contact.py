@@ -238,7 +238,8 @@ BAD_VALUES = {"BIMETAL_SIMULATE": "nvidia", "BIMETAL_LAUNCH_FORK": "yes", "BIMET
               "BIMETAL_FAULT_KILL": "3:x", "BIMETAL_FAULT_KILL_IN_CHECKPOINT": "1",
               "BIMETAL_FAULT_STALL": "3:3", "BIMETAL_TRACEBACK": "true",
               "BIMETAL_LAUNCH_REPORT": " ", "BIMETAL_IFACES": "eth0,", "BIMETAL_REACH_S": "-1",
-              "BIMETAL_TEST_CLAIM_VERSIONS": "1:foo=2"}
+              "BIMETAL_TEST_CLAIM_VERSIONS": "1:foo=2", "BIMETAL_DD_GID_INDEX": "fe80::1",
+              "BIMETAL_SYSFS": "/no/such/sysfs-copy"}
 
 
 def test_every_bimetal_variable_the_code_reads_is_checked_before_launch() -> None:

@@ -223,7 +223,16 @@ def pick(usable: Sequence[NicInfo], local_rank: int, count: int = 1, prefer: Seq
 def preference(nics: Sequence[NicInfo], local_rank: int) -> list[str]:
     """This rank's order of preference over ``nics`` (its candidates): nearest its GPU in the PCI topology first
     (``bimetal.topology.pci``), by position where sysfs cannot say."""
-    return [name for name, _ in pci.rank_order([n.name for n in nics], local_rank)]
+    return preferred_names(pci.rank_order([n.name for n in nics], local_rank))
+
+
+def preferred_names(order: Sequence[tuple[str, str]]) -> list[str]:
+    """The names of a ranked ``order`` (``pci.ranked``) as ``pick``'s preference; none where the order is only
+    by position: that rotation was taken over all the rank's candidates, and ``pick`` rotates over the ones
+    usable toward the peers instead (local rank i starts at the i-th of those, as before PCI pairing)."""
+    if all(why == pci.BY_POSITION for _, why in order):
+        return []
+    return [name for name, _ in order]
 
 
 def named_nics(names: Sequence[str], source: str = "BIMETAL_CF_IFACES", host: str = "") -> list[NicInfo]:

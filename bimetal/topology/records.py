@@ -19,7 +19,7 @@ from pydantic import Field
 from bimetal.errors import UserError
 from bimetal.schema import SHAPE, Problem, check
 from bimetal.topology import versions
-from bimetal.topology.interfaces import NicInfo, local_nics, pick, unmatched, usable_toward
+from bimetal.topology.interfaces import NicInfo, local_nics, pick, preferred_names, unmatched, usable_toward
 from bimetal.topology.vendor import VENDORS
 from bimetal.version import __version__
 
@@ -264,7 +264,7 @@ class ClusterView:
         otherwise."""
         me = self.records[rank]
         peers = [r.nics for r in self.records if r.host != me.host]
-        return pick(usable_toward(me.nics, peers), me.local_rank, count, [name for name, _ in me.nic_order])
+        return pick(usable_toward(me.nics, peers), me.local_rank, count, preferred_names(me.nic_order))
 
     def nic_reason(self, rank: int, name: str) -> str:
         """Why ``rank`` takes interface ``name`` where it prefers it (``same PCIe switch``, ``by position: ...``)."""

@@ -26,7 +26,6 @@ markers in docs/torchtitan.md. Not in CI: a case costs one to several minutes he
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -39,6 +38,12 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bimetal from this checkout
+
+from bimetal.args import ArgumentParser  # noqa: E402
+from bimetal.entry import run_command  # noqa: E402
+from bimetal.errors import UserError  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORDS = ROOT / "docs" / "titan_matrix.json"
@@ -288,18 +293,18 @@ def write_table() -> None:
     DOC.write_text(text[:start] + "\n" + table() + "\n" + text[end:])
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    p = ArgumentParser(prog="scripts/titan_matrix.py", description=__doc__.splitlines()[0])
     p.add_argument("--run", help="cases to run, comma-separated, or 'all'")
     p.add_argument("--cwd", help="where the runs start (a torchtitan clone, for cases that read its tests/assets)")
     p.add_argument("--table", action="store_true", help="rewrite the table in docs/torchtitan.md from the records")
-    opts = p.parse_args()
+    opts = p.parse_args(argv)
     if opts.run:
         names = [c.name for c in CASES] if opts.run == "all" else opts.run.split(",")
         unknown = sorted(set(names) - {c.name for c in CASES})
         if unknown:
-            print(f"titan_matrix: unknown case(s) {', '.join(unknown)}", file=sys.stderr)
-            return 2
+            raise UserError(f"unknown case(s) {', '.join(unknown)}; the cases are those of torchtitan's features.py "
+                            "listed in docs/torchtitan.md.")
         run_cases(names, Path(opts.cwd) if opts.cwd else None)
     if opts.table or opts.run:
         write_table()
@@ -307,4 +312,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command("titan-matrix", main, sys.argv[1:]))

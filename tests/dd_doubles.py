@@ -16,6 +16,9 @@ would read), and the module says what its library reads (``FACTS``: set it to a 
 adapter does. A fabric can make the engines started on some threads refuse every registration, as Mooncake does
 where GPU memory cannot be registered for RDMA.
 
+``start_group_pair`` builds one two-rank device-direct group the way a job would (the back-end creator, one thread
+per rank, a store between them), for the tests of a group's start-up decisions.
+
 ``BindingDouble`` stands in for the ``mooncake.engine`` module itself (the pybind binding, which needs
 libibverbs and a real engine): it keeps the binding's return codes (``transfer_engine_py.cpp``) and its batch
 ids, so the adapter's handling of a timed-out batch, a refused unregistration and an IPv6 session can be checked.
@@ -26,7 +29,10 @@ from __future__ import annotations
 import ctypes
 import itertools
 import threading
+import warnings
 from dataclasses import dataclass, field
+from datetime import timedelta
+from types import SimpleNamespace
 from typing import Any
 
 from bimetal.comm.device_direct import engine_env
@@ -168,6 +174,36 @@ def library_facts() -> engine_env.LibraryFacts | None:
 
 def wheel_label() -> str:
     return WHEEL
+
+
+def start_group_pair(options: dict[str, Any], store_timeout_s: float, join_s: float,
+                     thread_names: tuple[str, str] = ("rank-0", "rank-1")) -> tuple[dict[int, Any], list[str]]:
+    """Global ranks 4 and 9 create one device-direct group with ``options`` on two threads named ``thread_names``
+    (a ``Fabric`` can single one out); returns each group rank's group or the exception it raised, and the
+    "falls back to cpu-forward" warnings said. Fails the test if either thread is still creating after ``join_s``."""
+    import torch.distributed as dist
+
+    from bimetal.comm.device_direct.creator import create_process_group
+
+    store, out = dist.HashStore(), {}
+
+    def create(rank: int) -> None:
+        backend_opts = SimpleNamespace(store=store, group_rank=rank, group_size=2,
+                                       timeout=timedelta(seconds=store_timeout_s), global_ranks_in_group=[4, 9])
+        try:
+            out[rank] = create_process_group(backend_opts, options)
+        except BaseException as exc:  # noqa: BLE001 - the test reads it
+            out[rank] = exc
+
+    threads = [threading.Thread(target=create, args=(r,), name=thread_names[r]) for r in (0, 1)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(join_s)
+    assert not any(t.is_alive() for t in threads), "group creation hung"
+    return out, [str(w.message) for w in caught if "falls back to cpu-forward" in str(w.message)]
 
 
 class BindingDouble:

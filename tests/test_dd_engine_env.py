@@ -13,17 +13,13 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import warnings
 from collections.abc import Iterator
-from datetime import timedelta
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import dd_doubles
 import pytest
 import torch
-import torch.distributed as dist
 from dd_doubles import BindingDouble, Fabric, RecordingEngine
 
 from bimetal.comm.device_direct import EngineUnavailableError, builds, engine_env, gids, options_from
@@ -220,18 +216,6 @@ def test_the_probe_gives_the_gid_as_the_reason_a_write_across_nodes_failed(tmp_p
 
 # -- a registration the engine refuses, inside the group's constructor ------------------------------------------------
 
-def _create(rank: int, store: dist.Store, options: dict[str, Any], out: dict[int, Any]) -> None:
-    from bimetal.comm.device_direct.creator import create_process_group
-
-    # the store's timeout is the group's (300 s): a rank waiting it out would trip the test's own timeout
-    backend_opts = SimpleNamespace(store=store, group_rank=rank, group_size=2, timeout=timedelta(seconds=300),
-                                   global_ranks_in_group=[4, 9])
-    try:
-        out[rank] = create_process_group(backend_opts, options)
-    except BaseException as exc:  # noqa: BLE001 - the test reads it
-        out[rank] = exc
-
-
 def _exchange(pgs: dict[int, Any]) -> torch.Tensor:
     """One message from rank 0 to rank 1 over the groups made (threads); what rank 1 received."""
     got = torch.zeros(4)
@@ -255,17 +239,9 @@ def test_a_refused_registration_is_every_ranks_fallback_decision(fallback: str, 
     pytest.importorskip("bimetal.comm.cpu_forward")
     monkeypatch.setattr(engines, "VERBS_SYSFS", tmp_path / "none")
     monkeypatch.setattr(dd_doubles, "FABRIC", Fabric(refusing_threads={"rank-1"}))
-    store, out = dist.HashStore(), {}
     options = {"engine": "recording", "host": "127.0.0.1", "protocol": "tcp", "fallback": fallback}
-    threads = [threading.Thread(target=_create, args=(r, store, options, out), name=f"rank-{r}") for r in (0, 1)]
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(50)
-    assert not any(t.is_alive() for t in threads), "group creation hung"
-    said = [str(w.message) for w in caught if "falls back to cpu-forward" in str(w.message)]
+    # the store's timeout is the group's (300 s): a rank waiting it out would trip the join's 50 s
+    out, said = dd_doubles.start_group_pair(options, store_timeout_s=300, join_s=50)
     if fallback == "error":
         assert all(isinstance(out[r], GroupStartError) and isinstance(out[r], UserError) for r in (0, 1)), out
         text = str(out[0])

@@ -5,16 +5,10 @@ named, and a probe write between every pair with a deadline. Where RDMA hardware
 from __future__ import annotations
 
 import logging
-import threading
-import warnings
-from datetime import timedelta
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any
 
 import dd_doubles
 import pytest
-import torch.distributed as dist
 from dd_doubles import Fabric, RecordingEngine
 
 from bimetal.comm.device_direct import EngineUnavailableError, builds, options_from
@@ -170,17 +164,6 @@ def test_a_probe_write_that_never_completes_is_one_sentence_at_the_deadline() ->
                                               "rank 1 on n2 (TCP) did not complete within 0.2 s;"), got
 
 
-def _create(rank: int, store: dist.Store, options: dict[str, Any], out: dict[int, Any]) -> None:
-    from bimetal.comm.device_direct.creator import create_process_group
-
-    backend_opts = SimpleNamespace(store=store, group_rank=rank, group_size=2, timeout=timedelta(seconds=20),
-                                   global_ranks_in_group=[4, 9])
-    try:
-        out[rank] = create_process_group(backend_opts, options)
-    except BaseException as exc:  # noqa: BLE001 - the test reads it
-        out[rank] = exc
-
-
 @pytest.mark.parametrize("fallback", ["error", "cpu-forward"])
 def test_a_failed_probe_is_the_groups_fallback_decision_on_every_rank(fallback: str, tmp_path: Path,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
@@ -193,17 +176,8 @@ def test_a_failed_probe_is_the_groups_fallback_decision_on_every_rank(fallback: 
     monkeypatch.setattr("bimetal.comm.device_direct.pg.PROBE_S", 0.3)
     monkeypatch.setattr(dd_doubles, "FABRIC", Fabric())
     dd_doubles.FABRIC.stall_all()
-    store, out = dist.HashStore(), {}
     options = {"engine": "recording", "host": "127.0.0.1", "protocol": "rdma", "fallback": fallback}
-    threads = [threading.Thread(target=_create, args=(r, store, options, out)) for r in (0, 1)]
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(30)
-    assert not any(t.is_alive() for t in threads), "group creation hung"
-    said = [str(w.message) for w in caught if "falls back to cpu-forward" in str(w.message)]
+    out, said = dd_doubles.start_group_pair(options, store_timeout_s=20, join_s=30)
     assert len(said) == (2 if fallback == "cpu-forward" else 0), said
     if fallback == "error":
         assert all(isinstance(out[r], ProbeFailedError) and isinstance(out[r], UserError) for r in (0, 1)), out

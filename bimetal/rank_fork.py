@@ -115,6 +115,9 @@ def _child(rank_argv: list[str], env: dict[str, str], fds: tuple[int, int, int, 
            in_child: Callable[[], None]) -> None:
     code = 1
     try:
+        # the launcher's handlers only set a flag, which a child stuck before its program runs would never read
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.setsid()
         # Python 3.11 keeps the launcher's thread id as the main thread's native_id in a fork child (3.12 renews
         # it); code that finds its own main thread in /proc/self/task (the GPU ladder's thread profile) needs ours.
@@ -130,8 +133,6 @@ def _child(rank_argv: list[str], env: dict[str, str], fds: tuple[int, int, int, 
             os.dup2(err_w, 2)
             os.close(out_w)
             os.close(err_w)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.environ.clear()
         os.environ.update(env)
         _threads_from(env)

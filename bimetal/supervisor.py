@@ -31,6 +31,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -106,6 +107,14 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec (or t
         ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+def _free_port() -> int:
+    """A port free on the loopback now, for the store the launcher opens after its ranks start (they are told the
+    port first). Another process could take it in between: the store then fails to listen, in one sentence."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 def _how(code: int) -> str:
     if code < 0:
         try:
@@ -153,21 +162,14 @@ class RankSupervisor:
 
     def run(self) -> int:
         """Run the job (restarting it up to ``max_restarts`` times); returns the launcher's exit status."""
-        from torch.distributed import TCPStore
-
         if self.fork:
             preload(self.cmd[1:])
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            store = TCPStore("127.0.0.1", self.port, is_master=True, wait_for_workers=False)
-        except RuntimeError as exc:  # the port was taken after the launcher's check
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            raise UserError(f"the launcher cannot listen on port {self.port} ({first}); choose a free --master-port "
-                            "or leave it out.") from None
+        port = self.port or _free_port()
         root = Path(tempfile.mkdtemp(prefix="bimetal-launch-"))
         try:
             for attempt in range(self.max_restarts + 1):
-                outcome = self._attempt(attempt, store.port, root / f"attempt{attempt}")
+                outcome = self._attempt(attempt, port, root / f"attempt{attempt}")
                 if self.output is not None:  # every line the ranks wrote, and why a hidden one failed, come first
                     self.output.finish([rk.rank for rk in self._ranks if rk.code not in (None, 0)
                                         and not rk.stopped_by_us])
@@ -184,7 +186,19 @@ class RankSupervisor:
             for s, handler in old.items():
                 signal.signal(s, handler)
             shutil.rmtree(root, ignore_errors=True)
-            del store
+
+    def _open_store(self, port: int) -> Any:
+        """The store of one attempt (its server runs on a thread of this process), opened once every rank of the
+        attempt has started: the ranks' clients wait for it to listen."""
+        from torch.distributed import TCPStore
+
+        try:
+            return TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+        except RuntimeError as exc:  # the port was taken after the launcher's check
+            self._stop(self._ranks, 0.0)
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise UserError(f"the launcher cannot listen on port {port} ({first}); choose a free --master-port "
+                            "or leave it out.") from None
 
     def _attempt(self, attempt: int, port: int, folder: Path) -> _Outcome:
         folder.mkdir(parents=True)
@@ -194,6 +208,10 @@ class RankSupervisor:
                     TORCHELASTIC_MAX_RESTARTS=str(self.max_restarts), TORCHELASTIC_RUN_ID="bimetal",
                     TORCHELASTIC_USE_AGENT_STORE="True", **{REPORT_ENV: str(folder)})
         self._ranks = []
+        # Every rank starts while this process has no other thread: a fork (the ranks themselves, or Popen's
+        # child before its exec) copies only the forking thread, so a lock another thread held at that moment
+        # (the store's server thread, an output pump) would stay held forever in the child. The store and the
+        # output pumps start after the last rank.
         for r in range(self.nproc):
             env = dict(base, RANK=str(r), LOCAL_RANK=str(r), ROLE_RANK=str(r),
                        **{ERROR_FILE_ENV: str(folder / f"rank-{r}.error.json")})
@@ -205,9 +223,18 @@ class RankSupervisor:
                 pipes = self.output.popen_kwargs() if self.output is not None else {}
                 proc = subprocess.Popen(self.cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent,
                                         **pipes)
-            if self.output is not None:
-                self.output.attach(r, proc)
             self._ranks.append(_Rank(r, self.vendors[r] if r < len(self.vendors) else "", proc))
+        store = self._open_store(port)
+        if self.output is not None:
+            for rk in self._ranks:
+                self.output.attach(rk.rank, rk.proc)
+        try:
+            return self._watch(folder, attempt)
+        finally:
+            del store  # its server thread ends with it, before the next attempt's ranks start
+
+    def _watch(self, folder: Path, attempt: int) -> _Outcome:
+        """Watch the ranks of an attempt to their end: its outcome."""
         ranks = self._ranks
         deadline: float | None = None
         restartable = attempt < self.max_restarts

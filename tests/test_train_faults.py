@@ -3,8 +3,9 @@
 * With ``--max-restarts`` torchrun restarts the job, every rank resumes from the newest complete
   checkpoint by itself, and the loss at the final step equals that of an uninterrupted run; metrics.jsonl
   holds each step once. A damaged newest checkpoint is skipped by ``--resume`` with one sentence.
-* Without restarts, every surviving rank stops within the timeout plus 30 s with one sentence naming its
-  step, the phase and the group (and, on bimetal transports, the peer and sequence number); none hangs.
+* Without restarts, every surviving rank stops with one sentence naming its step, the phase and the group, soon
+  enough after the fault that ``parallel.timeout_s`` (10 s), not the default 120 s, was what ended its wait
+  (and, on bimetal transports, the peer and sequence number); none hangs.
 """
 
 from __future__ import annotations
@@ -98,8 +99,10 @@ def _survivors_stop(procs: list[subprocess.Popen], victim: int, started: float) 
             _, err = p.communicate(timeout=200)
             waited = time.monotonic() - started
             assert p.returncode == 1, f"rank {r} exited {p.returncode}: {err[-2000:]}"
-            # the fault comes after start-up and 3 steps (~5 s here); 15 s of margin for a loaded machine
-            assert waited < TIMEOUT_S + 30 + 15, f"rank {r} took {waited:.0f} s after the start"
+            # the fault comes after start-up and 3 steps (5 s on an idle machine, a minute on a loaded one), and the
+            # survivors stop TIMEOUT_S after it: far sooner than the 120 s of the default timeout after the fault,
+            # which is what this tells apart (how fast the machine is, it does not)
+            assert waited < TIMEOUT_S + 100, f"rank {r} took {waited:.0f} s after the start"
             assert "Traceback" not in err, err[-2000:]
             errors[r] = err.strip().splitlines()[-1]
     finally:

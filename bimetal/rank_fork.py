@@ -14,6 +14,10 @@ launcher imported are already imported (bimetal keeps no per-process state at im
 rank's environment: its caches hold facts of the machine), and variables a library reads only when it is
 loaded keep the launcher's value, except ``OMP_NUM_THREADS``, which the child applies to torch itself (the
 thread count decides how float sums are split, so the ranks' numbers depend on it).
+
+A fork copies only the thread that forks: a lock any other thread of the launcher held at that instant stays
+held in the child, for ever. So the supervisor forks its ranks while it has no other thread (the attempt's store
+and the output pumps start after the last rank; OpenBLAS stops its own pool across a fork).
 """
 
 from __future__ import annotations

@@ -267,7 +267,7 @@ def _pick_here(ns: argparse.Namespace, cfg: TrainConfig, vendors: list[str],
     """The layout ``parallel.layout = "auto"`` picks, as far as this process can see the ranks' world: the ranks
     of ``--simulate``, this one process, or (a dry-run of a torchrun job) the GPUs of ``parallel.cluster``. The
     ranks pick again for the world they find; the line is shown here by a dry-run only (rank 0 logs it)."""
-    from bimetal.train.auto_layout import World, pick_layout
+    from bimetal.plan.auto_layout import World, pick_layout
 
     if vendors:
         world = World.simulated(vendors)

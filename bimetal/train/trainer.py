@@ -183,7 +183,7 @@ def _write_memory(run_dir: str, rank: int, sizes: dict[str, int]) -> None:
 def train(cfg: TrainConfig, keep: frozenset[str] = frozenset()) -> dict[str, Any]:
     """Run ``cfg`` on this rank (world from the torchrun env when pp*dp > 1); returns the summary. With
     ``parallel.layout = "auto"`` the ranks pick the layout for the world they find, keeping the layout keys
-    ``keep`` (``bimetal.train.auto_layout``)."""
+    ``keep`` (``bimetal.plan.auto_layout``)."""
     tok = build_tokenizer(cfg.data.tokenizer)
     tokens = load_tokens(cfg.data.path, tok, cfg.data.bin_dtype)  # a missing file fails before any model work
     from bimetal import models
@@ -202,8 +202,8 @@ def train(cfg: TrainConfig, keep: frozenset[str] = frozenset()) -> dict[str, Any
     ctx = None
     auto = cfg.parallel.layout == "auto"
     if auto and int(os.environ.get("WORLD_SIZE", "1")) == 1:  # one process: the world is this rank alone
+        from bimetal.plan.auto_layout import World, pick_layout
         from bimetal.topology.vendor import detect_vendor
-        from bimetal.train.auto_layout import World, pick_layout
 
         pick = pick_layout(cfg, World.simulated([detect_vendor(0)]), keep)
         print(pick.line, flush=True)
@@ -215,7 +215,7 @@ def train(cfg: TrainConfig, keep: frozenset[str] = frozenset()) -> dict[str, Any
             """The layout of the config, or the one the ranks pick for the world they found."""
             nonlocal cfg
             if auto:
-                from bimetal.train.auto_layout import agree_layout
+                from bimetal.plan.auto_layout import agree_layout
 
                 cfg = agree_layout(cfg, keep, view, store, int(os.environ.get("RANK", "0")),
                                    timedelta(seconds=cfg.parallel.timeout_s)).cfg

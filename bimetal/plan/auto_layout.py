@@ -98,7 +98,7 @@ def _divisors(n: int) -> list[int]:
 def _refusal(cfg: TrainConfig, pp: int, dp: int, tp: int, keep: frozenset[str], view: ClusterView,
              n_layers: int, rows: int) -> str | None:
     """Why (pp, dp, tp) cannot run ``cfg`` on ``view``; None when it can."""
-    from bimetal.train.tp import check_tp
+    from bimetal.models.args import check_tp
 
     p = cfg.parallel
     if pp > n_layers:

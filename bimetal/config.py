@@ -576,6 +576,10 @@ def auto_layout(cfg: TrainConfig, file_keys: set[str], cli_keys: set[str], file:
     if "dp" not in keep:  # one replica of each kept shard group, until the pick
         values["dp"] = values["dp_shard"]
     batch = cfg.global_batch // values["dp"]
+    if cfg.global_batch % values["dp"] or batch % rows:
+        raise UserError(f"parallel.dp_shard={values['dp_shard']} kept beside parallel.layout='auto' cannot split the "
+                        f"global batch of {cfg.global_batch} rows into shard groups of whole microbatches of {rows} "
+                        "rows; change parallel.dp_shard or the batch.")
     parallel = dataclasses.replace(p, **values, microbatches=max(1, batch // rows), tp_per_stage=[], dp_per_stage=[],
                                    dp_shard_per_stage=[])
     data = dataclasses.replace(cfg.data, global_batch_size=cfg.global_batch, batch_size=batch)

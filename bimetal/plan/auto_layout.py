@@ -126,8 +126,9 @@ def _model_args(cfg: TrainConfig) -> Any:
 
 
 def pick_layout(cfg: TrainConfig, world: World, keep: frozenset[str] = frozenset()) -> Pick:
-    """The layout of ``cfg`` (``parallel.layout = "auto"``, made ready by ``bimetal.config.auto_layout``) for
-    ``world``, keeping the layout keys ``keep`` as ``cfg`` holds them; ``UserError`` (one sentence naming the world
+    """The layout of ``cfg`` (``parallel.layout = "auto"``, made ready by ``bimetal.config.auto_layout``; or any
+    uniform config, whose layout is then replaced) for ``world``, keeping its global batch, its rows per
+    microbatch and the layout keys ``keep`` as ``cfg`` holds them; ``UserError`` (one sentence naming the world
     and the first reason) when none fits. Deterministic: the same inputs give the same pick on every rank."""
     p = cfg.parallel
     n = len(world.ranks)

@@ -86,7 +86,8 @@ class ParallelConfig:
     follows torch's ``GLOO_SOCKET_IFNAME``."""
     layout: str = "fixed"
     """``fixed``: the layout is the keys above, as written. ``auto``: the ranks pick pp, dp, tp and the stage split
-    when the job starts, for the world they find (vendor and node of every rank; docs/moving-a-run.md). The global
+    when the job starts, for the world they find (vendor and node of every rank; docs/moving-a-run.md): the most
+    data-parallel layout that fits, or with ``cluster`` the one the planner predicts fastest. The global
     batch (``data.global_batch_size``, else ``data.batch_size`` x ``parallel.dp``) and the rows per microbatch
     (``data.batch_size`` / ``parallel.microbatches``) are kept; ``pp``, ``dp``, ``tp``, ``dp_shard`` or
     ``layers_per_stage`` written beside ``auto`` (in the same file, or on the command line) are kept by the pick;

@@ -223,12 +223,10 @@ def _picked(cfg: TrainConfig, world: World, keep: frozenset[str], pp: int, dp: i
     picked = dataclasses.replace(cfg, parallel=parallel, data=data)
     shown = picked.stage_split(_model_args(cfg).n_layers)
     vendors = {v for _, v in world.ranks}
-    if why:
-        pass
-    elif pp == 1:
+    if not why and pp == 1:
         why = "one vendor: data parallel only" if len(vendors) == 1 else \
             "data parallel across vendors, as parallel.allow_cross_vendor_dp allows"
-    else:
+    elif not why:
         why = "the fewest pipeline stages whose stages are each one vendor"
     if keep:
         why += f", keeping {', '.join(f'parallel.{k}' for k in sorted(keep))} as written"

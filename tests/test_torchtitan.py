@@ -131,7 +131,8 @@ def test_bad_titan_arguments_are_one_sentence(tmp_path: Path, capsys: pytest.Cap
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """A value torchtitan's parser (tyro) refuses and a misspelled key: one sentence with tyro's message and its
     suggestion, naming only what the user typed (not the paths bimetal adds), exit 2, nothing written; what the CPU
-    cannot run (context parallelism, compile with tp) and a seed checkpoint on two ranks: one sentence each; a rank
+    cannot run (context parallelism, compile with tp), expert parallelism the mesh cannot hold and a seed checkpoint
+    on two ranks: one sentence each; a rank
     started by hand without a launcher: one sentence, not torchtitan's LOCAL_RANK traceback."""
     from bimetal.cli import main
 
@@ -150,6 +151,11 @@ def test_bad_titan_arguments_are_one_sentence(tmp_path: Path, capsys: pytest.Cap
          "bimetal titan: --compile.enable with tensor parallelism fails on CPU"),
         ([*titan, "--simulate", "nvidia:2", "--optimizer.implementation", "fused_opt_states_bf16"],
          "bimetal titan: --optimizer.implementation fused_opt_states_bf16 keeps Adam's states in bfloat16"),
+        (["titan", "--module", "deepseek_v3", "--config", "deepseek_v3_debugmodel", "--simulate", "nvidia:2,amd:2",
+          "--parallelism.pipeline_parallel_degree=2", "--parallelism.tensor_parallel_degree=2",
+          "--parallelism.expert_parallel_degree=4"],
+         "bimetal titan: parallelism.expert_parallel_degree=4 must divide dp_shard x cp x tp, which is 1 x 1 x 2 = 2 "
+         "on these 4 ranks"),
         ([*titan, "--simulate", "nvidia:1,amd:1", "--checkpoint.create_seed_checkpoint"],
          "bimetal titan: --checkpoint.create_seed_checkpoint writes the step-0 checkpoint from one unsharded rank, "
          "as torchtitan requires: run it on one rank (e.g. --simulate nvidia:1) and add --checkpoint.enable."),

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import io
 import logging
 import logging.handlers
@@ -248,6 +247,11 @@ def check_supported(config: Any, world: int, cpu: bool = False) -> None:
     rest = par.pipeline_parallel_degree * par.data_parallel_replicate_degree * par.context_parallel_degree
     shard = par.data_parallel_shard_degree if par.data_parallel_shard_degree > 0 else world // max(
         rest * par.tensor_parallel_degree, 1)
+    ep, spread = par.expert_parallel_degree, shard * par.context_parallel_degree * par.tensor_parallel_degree
+    if ep > 1 and spread % ep:  # torchtitan's mesh then has an expert-FSDP dimension of size 0 (a ValueError per rank)
+        raise UserError(f"parallelism.expert_parallel_degree={ep} must divide dp_shard x cp x tp, which is {shard} x "
+                        f"{par.context_parallel_degree} x {par.tensor_parallel_degree} = {spread} on these {world} "
+                        "ranks (torchtitan takes the expert ranks from them); choose a divisor, or more ranks.")
     if shard > 1 and par.spmd_backend == "spmd_types" and torch.__version__.startswith("2.13"):
         raise UserError("FSDP (data_parallel_shard_degree > 1) with parallelism.spmd_backend=spmd_types fails inside "
                         "fully_shard on torch 2.13 with torchtitan 0.3.0; pass "
@@ -493,13 +497,6 @@ def run_rank(titan_args: list[str], cpu: bool, split: list[int] | None, pp_trans
 
 def rank_main() -> int:
     """``python -m bimetal.integrations.torchtitan``: errors a user can cause end in one sentence, exit 2."""
-    try:
-        status = main(sys.argv[1:])
-        gc.collect()  # join Gloo's worker threads now, not in interpreter shutdown (see bimetal.entry.run_command)
-        return status
-    except UserError as exc:
-        from bimetal.supervisor import report_outcome
+    from bimetal.integrations.common import rank_entry  # the rank's imports, not the argument check's
 
-        if not report_outcome(2, str(exc)):  # a rank of bimetal's launcher leaves the sentence to it
-            print(f"bimetal titan: {exc}", file=sys.stderr, flush=True)
-        return 2
+    return rank_entry(main, "bimetal titan")

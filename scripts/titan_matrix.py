@@ -120,7 +120,9 @@ CASES = [
     Case("cp", [["--parallelism.context_parallel_degree=4"]]),
     Case("hsdp+tp", [["--parallelism.data_parallel_shard_degree=2", "--parallelism.data_parallel_replicate_degree=2",
                       "--parallelism.tensor_parallel_degree=2"]], ngpu=8),
-    Case("fsdp+cp", [["--module torchtitan_recipes.tests --config llama3_debugmodel_fsdp2_cp2"]]),
+    # upstream: a config function of its test recipes (torchtitan_recipes.tests.llama3_debugmodel_fsdp2_cp2), absent
+    # from the installed wheel; the same layout on llama3_debugmodel, as the other cp cases give it
+    Case("fsdp+cp", [["--parallelism.data_parallel_shard_degree=2", "--parallelism.context_parallel_degree=2"]]),
     Case("hsdp+cp_without_dp_shard", [["--parallelism.data_parallel_shard_degree=1",
                                        "--parallelism.data_parallel_replicate_degree=2",
                                        "--parallelism.context_parallel_degree=2"]]),
@@ -160,7 +162,7 @@ CASES = [
     Case("seed_checkpoint", [["--checkpoint.enable", "--checkpoint.create_seed_checkpoint"]], ngpu=1),
 ]
 DEGREES = ("pipeline_parallel", "data_parallel_replicate", "data_parallel_shard", "context_parallel",
-           "tensor_parallel")
+           "tensor_parallel", "expert_parallel")
 
 
 def _degrees(args: list[str]) -> dict[str, int]:
@@ -177,7 +179,8 @@ def _degrees(args: list[str]) -> dict[str, int]:
 
 def layout(case: Case) -> tuple[str, list[list[str]]]:
     """``--simulate`` and each variant's arguments: a pipeline of 2 added where the case has none (the vendor
-    boundary), the world the case's GPU count (doubled where its own degrees already fill it)."""
+    boundary), the world the case's GPU count (doubled where its own degrees already fill it, or where expert
+    parallelism needs more of dp_shard than is left: torchtitan takes ep out of dp_shard x cp x tp)."""
     world, variants = case.ngpu, []
     for args in case.args:
         d = _degrees(args)
@@ -187,10 +190,19 @@ def layout(case: Case) -> tuple[str, list[list[str]]]:
             fixed = 2 * d["data_parallel_replicate"] * max(d["data_parallel_shard"], 1) * d["context_parallel"] * \
                 d["tensor_parallel"]
             world = max(world, fixed)
+        while d["data_parallel_shard"] == -1 and _shard(world, d) * d["context_parallel"] * d["tensor_parallel"] % \
+                d["expert_parallel"]:
+            world *= 2
         variants.append(args)
     if world == 1:
         return "nvidia:1", variants
     return f"nvidia:{world // 2},amd:{world - world // 2}", variants
+
+
+def _shard(world: int, d: dict[str, int]) -> int:
+    """dp_shard as torchtitan derives it (-1: what the other degrees leave of the world)."""
+    return world // (d["pipeline_parallel"] * d["data_parallel_replicate"] * d["context_parallel"] *
+                     d["tensor_parallel"])
 
 
 def _run(simulate: str, variants: list[list[str]], dump: Path, all_gloo: bool, cwd: Path) -> dict:

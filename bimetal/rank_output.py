@@ -8,8 +8,10 @@ stream, and writes whole lines under one lock, so lines of different ranks never
 A rank left out keeps its last ``tail`` lines of stderr: when it fails, ``finish`` shows them (prefixed) before
 the launcher's sentence, so the filter never hides why a rank died. faulthandler's thread dump (torch's
 ``@record`` turns it on: a rank that aborts prints every thread's stack) is left out of that tail, so it cannot
-push the cause out; and every rank's cause line - the C++ ``what():`` of an uncaught exception, or the last
-line of a Python traceback - is kept for the launcher's sentence (``cause``).
+push the cause out; and every rank's cause line - the C++ ``what():`` of an uncaught exception, the last
+line of a Python traceback (an exception without a message of its own, re-raised from one that has, keeps the
+earlier line), or the line a C library printed just before aborting the rank (glibc's ``malloc(): ...``, which
+faulthandler's dump follows) - is kept for the launcher's sentence (``cause``).
 """
 
 from __future__ import annotations
@@ -95,6 +97,7 @@ class RankOutput:
         prefix = f"[rank{rank}]:".encode()
         show = self.shown(rank)
         dumping = in_traceback = False
+        before = ""  # the previous stderr line
         for line in iter(stream.readline, b""):
             line = line if line.endswith(b"\n") else line + b"\n"
             if is_err:
@@ -102,8 +105,12 @@ class RankOutput:
                 in_traceback = in_traceback or text.startswith("Traceback (most recent call last)")
                 cause = cause_of(text, in_traceback)
                 if cause is not None:
-                    self._causes[rank] = cause
+                    if not (cause.endswith(":") and rank in self._causes):  # "RuntimeError:", its text below
+                        self._causes[rank] = cause
                     in_traceback = False
+                if line.startswith(_DUMP_START) and rank not in self._causes and before.strip():
+                    self._causes[rank] = before.strip()  # what the C library said as it aborted the process
+                before = text
                 dumping = line.startswith(_DUMP_START) or (dumping and bool(_DUMP_LINE.match(line)))
                 if dumping and not line.startswith(_DUMP_START):
                     self._dumped[rank] = self._dumped.get(rank, 0) + 1

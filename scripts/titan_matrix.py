@@ -255,13 +255,17 @@ CAUSE = re.compile(r"^\[rank\d+\]:((?:\w+\.)*\w*(?:Error|Exception|Interrupt)\b.
 
 
 def _cause(stderr: str) -> str:
+    """The launcher's first sentence (a refusal, or the first rank that died with its cause), else the first
+    exception a shown rank printed, else the last line."""
     lines = stderr.splitlines()
+    said = [line for line in lines if line.startswith("bimetal")]
+    if said:
+        return said[0][:400]
     for line in lines:
         m = CAUSE.match(line)
         if m:
             return m.group(1)[:300]
-    said = [line for line in lines if line.startswith("bimetal")]
-    return said[0][:400] if said else (lines[-1][:300] if lines else "")
+    return lines[-1][:300] if lines else ""
 
 
 def classify(gloo: dict, mixed: dict) -> tuple[str, str]:

@@ -189,20 +189,22 @@ def test_refuses_a_mixed_native_dimension_through_the_entry_point(tmp_path: Path
 
 @needs_titan
 @pytest.mark.timeout(600)
-def test_pp2_1f1b_two_vendors_matches_gloo_and_resumes(tmp_path: Path, assets: list[str]) -> None:
-    """nvidia:1,amd:1, pp=2, 1F1B, split 4/2; a checkpoint at step 2 resumed through torchtitan's checkpointer."""
+def test_pp2_1f1b_two_vendors_resumes(tmp_path: Path, assets: list[str]) -> None:
+    """nvidia:1,amd:1, pp=2, 1F1B, split 4/2; a checkpoint at step 2 resumed through torchtitan's checkpointer
+    trains step 3 as the uninterrupted run did. (Its all-Gloo parity is held by the pipeline runs that compare
+    with all-Gloo: the split 4/2 under tp below, pp=4 interleaved in test_titan_output.py.)"""
     args = [*COMMON, *assets, "--parallelism.pipeline_parallel_degree=2",
             "--parallelism.pipeline_parallel_schedule=1F1B", "--training.steps=3"]
     ckpt = ["--checkpoint.enable", "--checkpoint.interval=2", "--checkpoint.folder=ckpt"]
-    ref = _losses(_launch("nvidia:1,amd:1", ["--all-gloo", "--layers-per-stage=4,2", *args], tmp_path / "gloo"))
-    # the mixed run goes through `bimetal titan` itself (the launcher checks the mesh, then starts the ranks)
+    # the run goes through `bimetal titan` itself (the launcher checks the mesh, then starts the ranks)
     mixed_dir = tmp_path / "mixed"
     proc = _run(["titan", "--simulate", "nvidia:1,amd:1", "--layers-per-stage", "4,2", *args, *ckpt,
                  f"--dump_folder={mixed_dir}"])
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
     assert "bimetal groups (torchtitan mesh)" in proc.stdout and "bimetal_cpu_forward" in proc.stdout
     mixed = _reports(mixed_dir)
-    assert len(ref) == 3 and _losses(mixed) == ref
+    ref = _losses(mixed)
+    assert len(ref) == 3 and len(set(ref)) == 3, ref  # three steps that learned
     _check_groups(mixed, VENDOR_OF["nvidia:1,amd:1"])
     # resume: drop the step-3 checkpoint, run again; torchtitan loads step 2 and trains step 3 alone
     steps = sorted(p.name for p in (mixed_dir / "ckpt").iterdir())
@@ -227,13 +229,14 @@ STEP_LINE = re.compile(r"^\[rank(\d+)\]:.*\bstep:\s+(\d+)\s.*\bloss:\s+(\S+)")
 @needs_titan
 @pytest.mark.timeout(400)
 def test_pipeline_with_tensor_parallelism_matches_gloo(tmp_path: Path, assets: list[str]) -> None:
-    """torchtitan's pp_tp_gpipe (pp 2 x tp 2, GPipe) over nvidia:2,amd:2 against the same run on all-Gloo in this
-    test: the last stage's loss under tp is a DTensor, handed to the first stage as torchtitan logs it (the first
-    stage's step line shows the same value, once per step). The 8-rank pp_dp_tp (pp 2 x FSDP 2 x tp 2) is a row of
-    the matrix (``scripts/titan_matrix.py --run pp_dp_tp``, docs/torchtitan.md), not run here: CI time."""
+    """torchtitan's pp_tp_gpipe (pp 2 x tp 2, GPipe; here with the uneven split 4/2) over nvidia:2,amd:2 against the
+    same run on all-Gloo in this test: the last stage's loss under tp is a DTensor, handed to the first stage as
+    torchtitan logs it (the first stage's step line shows the same value, once per step). The 8-rank pp_dp_tp
+    (pp 2 x FSDP 2 x tp 2) is a row of the matrix (``scripts/titan_matrix.py --run pp_dp_tp``, docs/torchtitan.md),
+    not run here: CI time."""
     args = [*COMMON, *assets, "--training.steps=2", "--checkpoint.no-enable",
             "--parallelism.pipeline_parallel_degree=2", "--parallelism.tensor_parallel_degree=2",
-            "--parallelism.pipeline_parallel_schedule=GPipe"]
+            "--parallelism.pipeline_parallel_schedule=GPipe", "--layers-per-stage=4,2"]
     # the reference through `bimetal launch` (no launcher-side config check), the mixed run as a user types it
     ref = _losses(_launch("nvidia:2,amd:2", ["--all-gloo", *args], tmp_path / "gloo"))
     proc = _run(["titan", "--simulate", "nvidia:2,amd:2", *args, f"--dump_folder={tmp_path / 'mixed'}"], 300)

@@ -10,8 +10,9 @@ the launcher's sentence, so the filter never hides why a rank died. faulthandler
 ``@record`` turns it on: a rank that aborts prints every thread's stack) is left out of that tail, so it cannot
 push the cause out; and every rank's cause line - the C++ ``what():`` of an uncaught exception, the last
 line of a Python traceback (an exception without a message of its own, re-raised from one that has, keeps the
-earlier line), or the line a C library printed just before aborting the rank (glibc's ``malloc(): ...``, which
-faulthandler's dump follows) - is kept for the launcher's sentence (``cause``).
+earlier line), or the line glibc's heap checks or the C++ runtime printed as they aborted the rank (``malloc():
+...``, ``terminate called ...``, which faulthandler's dump follows; a segfault prints none) - is kept for the
+launcher's sentence (``cause``).
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ _DUMP_START = b"Fatal Python error:"
 _DUMP_LINE = re.compile(rb"^(\s*$|Thread 0x|Current thread 0x|  File |  <no Python frame>|  Garbage-collecting|"
                         rb"Extension modules:|Stack \(most recent call first\))")
 """faulthandler's dump: its first line, then the lines it consists of (blank, thread headers, frames)."""
+_LIBC_ABORT = re.compile(r"^(\w+\(\): |double free or corruption|corrupted |terminate called )")
+"""What glibc's heap checks (``malloc(): unaligned tcache chunk detected``, ``double free or corruption``, ...) and
+the C++ runtime print as they abort a process, on the line before faulthandler's dump."""
 
 
 _NOT_CAUSES = ("Traceback", "During handling of the above exception", "The above exception was the direct cause")
@@ -108,7 +112,7 @@ class RankOutput:
                     if not (cause.endswith(":") and rank in self._causes):  # "RuntimeError:", its text below
                         self._causes[rank] = cause
                     in_traceback = False
-                if line.startswith(_DUMP_START) and rank not in self._causes and before.strip():
+                if line.startswith(_DUMP_START) and rank not in self._causes and _LIBC_ABORT.match(before):
                     self._causes[rank] = before.strip()  # what the C library said as it aborted the process
                 before = text
                 dumping = line.startswith(_DUMP_START) or (dumping and bool(_DUMP_LINE.match(line)))

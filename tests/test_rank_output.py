@@ -112,8 +112,9 @@ def test_a_crash_is_one_line_with_its_cause_not_the_thread_dump(capsys: pytest.C
 
 
 def test_cause_lines_of_an_abort_by_the_c_library_and_of_a_re_raised_exception() -> None:
-    """What a rank's stderr says before faulthandler's dump is its cause when nothing else is (glibc's heap check,
-    seen in an 8-rank torchtitan run); an exception re-raised without a message keeps the one that has it."""
+    """What glibc's heap check said before faulthandler's dump is the rank's cause when nothing else is (seen in an
+    8-rank torchtitan run); a segfault's preceding line is not; an exception re-raised without a message keeps the
+    one that has it."""
     import types
 
     aborted = (b"[titan] step 4\nmalloc(): unaligned tcache chunk detected\nFatal Python error: Aborted\n\n"
@@ -122,12 +123,14 @@ def test_cause_lines_of_an_abort_by_the_c_library_and_of_a_re_raised_exception()
                 b"Connection closed by peer\n\nThe above exception was the direct cause of the following exception:"
                 b"\n\nTraceback (most recent call last):\n  File \"x.py\", line 2, in g\nRuntimeError: \n"
                 b"        Failed to run stage backward:\n")
+    segfault = b"W1207 _redistribute.py:390] While redistributing ...\nFatal Python error: Segmentation fault\n\n"
     output = RankOutput({0}, stdout=io.StringIO(), stderr=io.StringIO())
-    for rank, err in ((1, aborted), (2, reraised)):
+    for rank, err in ((1, aborted), (2, reraised), (3, segfault)):
         output.attach(rank, types.SimpleNamespace(stdout=io.BytesIO(b""), stderr=io.BytesIO(err)))
     output.drain()
     assert output.cause(1) == "malloc(): unaligned tcache chunk detected"
     assert output.cause(2) == "RuntimeError: [pair.cc:553] Connection closed by peer"
+    assert output.cause(3) == ""  # a segfault says nothing before the dump: a warning there is no cause
 
 
 def test_the_step_record_is_replaced_never_rewritten_in_place(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

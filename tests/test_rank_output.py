@@ -133,6 +133,22 @@ def test_cause_lines_of_an_abort_by_the_c_library_and_of_a_re_raised_exception()
     assert output.cause(3) == ""  # a segfault says nothing before the dump: a warning there is no cause
 
 
+def test_an_error_file_of_a_re_raised_exception_names_its_root_cause() -> None:
+    """torch's pipeline stage re-raises a failed backward as ``RuntimeError`` whose message starts on its second
+    line; the launcher's "first reason given" is the Gloo error it came from, not "RuntimeError:"."""
+    from bimetal.supervisor import error_file_cause
+
+    stack = ("Traceback (most recent call last):\n  File \"stage.py\", line 1, in backward\n    work.wait()\n"
+             "RuntimeError: [pair.cc:537] Read error: Connection reset by peer\n\nThe above exception was the "
+             "direct cause of the following exception:\n\nTraceback (most recent call last):\n  File \"b.py\", "
+             "line 2, in stage_backward\nRuntimeError: \n        Failed to run stage backward:\n")
+    data = {"message": {"message": "RuntimeError: \n        Failed to run stage backward:\n",
+                        "extraInfo": {"py_callstack": stack, "timestamp": "0"}}}
+    assert error_file_cause(data) == "RuntimeError: [pair.cc:537] Read error: Connection reset by peer"
+    plain = {"message": {"message": "ValueError: bad", "extraInfo": {"py_callstack": stack}}}
+    assert error_file_cause(plain) == "ValueError: bad"
+
+
 def test_the_step_record_is_replaced_never_rewritten_in_place(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A rank killed between the truncation and the write of an in-place rewrite leaves an empty record; a
     replaced one is the old file or the new one. The old file, held by a second link, keeps its step: the

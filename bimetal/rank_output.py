@@ -8,8 +8,11 @@ stream, and writes whole lines under one lock, so lines of different ranks never
 A rank left out keeps its last ``tail`` lines of stderr: when it fails, ``finish`` shows them (prefixed) before
 the launcher's sentence, so the filter never hides why a rank died. faulthandler's thread dump (torch's
 ``@record`` turns it on: a rank that aborts prints every thread's stack) is left out of that tail, so it cannot
-push the cause out; and every rank's cause line - the C++ ``what():`` of an uncaught exception, or the last
-line of a Python traceback - is kept for the launcher's sentence (``cause``).
+push the cause out; and every rank's cause line - the C++ ``what():`` of an uncaught exception, the last
+line of a Python traceback (an exception without a message of its own, re-raised from one that has, keeps the
+earlier line), or the line glibc's heap checks or the C++ runtime printed as they aborted the rank (``malloc():
+...``, ``terminate called ...``, which faulthandler's dump follows; a segfault prints none) - is kept for the
+launcher's sentence (``cause``).
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ _DUMP_START = b"Fatal Python error:"
 _DUMP_LINE = re.compile(rb"^(\s*$|Thread 0x|Current thread 0x|  File |  <no Python frame>|  Garbage-collecting|"
                         rb"Extension modules:|Stack \(most recent call first\))")
 """faulthandler's dump: its first line, then the lines it consists of (blank, thread headers, frames)."""
+_LIBC_ABORT = re.compile(r"^(\w+\(\): |double free or corruption|corrupted |terminate called )")
+"""What glibc's heap checks (``malloc(): unaligned tcache chunk detected``, ``double free or corruption``, ...) and
+the C++ runtime print as they abort a process, on the line before faulthandler's dump."""
 
 
 _NOT_CAUSES = ("Traceback", "During handling of the above exception", "The above exception was the direct cause")
@@ -95,6 +101,7 @@ class RankOutput:
         prefix = f"[rank{rank}]:".encode()
         show = self.shown(rank)
         dumping = in_traceback = False
+        before = ""  # the previous stderr line
         for line in iter(stream.readline, b""):
             line = line if line.endswith(b"\n") else line + b"\n"
             if is_err:
@@ -102,8 +109,12 @@ class RankOutput:
                 in_traceback = in_traceback or text.startswith("Traceback (most recent call last)")
                 cause = cause_of(text, in_traceback)
                 if cause is not None:
-                    self._causes[rank] = cause
+                    if not (cause.endswith(":") and rank in self._causes):  # "RuntimeError:", its text below
+                        self._causes[rank] = cause
                     in_traceback = False
+                if line.startswith(_DUMP_START) and rank not in self._causes and _LIBC_ABORT.match(before):
+                    self._causes[rank] = before.strip()  # what the C library said as it aborted the process
+                before = text
                 dumping = line.startswith(_DUMP_START) or (dumping and bool(_DUMP_LINE.match(line)))
                 if dumping and not line.startswith(_DUMP_START):
                     self._dumped[rank] = self._dumped.get(rank, 0) + 1

@@ -115,6 +115,26 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def error_file_cause(data: dict[str, Any]) -> str:
+    """The cause line of torch's error file (``@record``): its exception's message, or, where that has no text on
+    its first line (``RuntimeError:`` re-raised from another, as torch's pipeline stage does), the first exception
+    line of the recorded traceback, which Python prints root cause first."""
+    from bimetal.rank_output import cause_of
+
+    entry = data["message"]
+    message = str(entry["message"] if isinstance(entry, dict) else entry)
+    first = next((line.strip() for line in message.splitlines() if line.strip()), "")
+    stack = entry.get("extraInfo", {}).get("py_callstack", "") if isinstance(entry, dict) else ""
+    if first.endswith(":") and isinstance(stack, str):
+        in_traceback = False
+        for line in stack.splitlines():
+            in_traceback = in_traceback or line.startswith("Traceback (most recent call last)")
+            cause = cause_of(line, in_traceback)
+            if cause is not None and not cause.endswith(":"):
+                return cause
+    return message
+
+
 def _how(code: int) -> str:
     if code < 0:
         try:
@@ -316,9 +336,7 @@ class RankSupervisor:
         """The line that says why ``rank`` crashed: its exception from the error file, else (with ``output``) the
         C++ ``what():`` or Python exception line of its stderr; "" when there is none."""
         try:
-            data = json.loads(Path(folder, f"rank-{rank}.error.json").read_text())
-            message = data["message"]["message"] if isinstance(data.get("message"), dict) else data["message"]
-            text = str(message)
+            text = error_file_cause(json.loads(Path(folder, f"rank-{rank}.error.json").read_text()))
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             text = self.output.cause(rank) if self.output is not None else ""
         first = next((line.strip() for line in text.splitlines() if line.strip()), "")

@@ -2,6 +2,7 @@
 
     python scripts/titan_matrix.py --run pp_tp_gpipe,ddp    # run these cases here, record each outcome
     python scripts/titan_matrix.py --run all                 # every case (hours on a small CPU machine)
+    python scripts/titan_matrix.py --run pp_dp_tp --logs build/titan  # and keep each run's output, every rank shown
     python scripts/titan_matrix.py --table                   # rewrite the docs table from the records
 
 The cases are those of torchtitan's ``tests/integration_tests/features.py`` (branch ``release/0.3``, commit
@@ -17,7 +18,8 @@ the case's GPU count, or doubled where the case's own degrees fill it. Every run
 * ``refused``: ``bimetal titan`` refused the case in one sentence (exit 2), quoted;
 * ``CUDA-only``: a rank tried to launch a Triton kernel or import Triton (absent on CPU; ``cpu_support``'s
   placeholder says so for the kernels torchtitan imports at start);
-* ``differs`` / ``fails``: losses not equal, or a run failed otherwise (its first cause line quoted);
+* ``differs`` / ``fails``: losses not equal, or a run failed otherwise (its first cause line quoted), or rank 0
+  printed a step's line more than once;
 * ``disabled upstream``: torchtitan's own list disables the case; not run.
 
 Records go to ``docs/titan_matrix.json`` (one per case, with date and machine); ``--table`` renders them between the
@@ -120,7 +122,9 @@ CASES = [
     Case("cp", [["--parallelism.context_parallel_degree=4"]]),
     Case("hsdp+tp", [["--parallelism.data_parallel_shard_degree=2", "--parallelism.data_parallel_replicate_degree=2",
                       "--parallelism.tensor_parallel_degree=2"]], ngpu=8),
-    Case("fsdp+cp", [["--module torchtitan_recipes.tests --config llama3_debugmodel_fsdp2_cp2"]]),
+    # upstream: a config function of its test recipes (torchtitan_recipes.tests.llama3_debugmodel_fsdp2_cp2), absent
+    # from the installed wheel; the same layout on llama3_debugmodel, as the other cp cases give it
+    Case("fsdp+cp", [["--parallelism.data_parallel_shard_degree=2", "--parallelism.context_parallel_degree=2"]]),
     Case("hsdp+cp_without_dp_shard", [["--parallelism.data_parallel_shard_degree=1",
                                        "--parallelism.data_parallel_replicate_degree=2",
                                        "--parallelism.context_parallel_degree=2"]]),
@@ -160,7 +164,7 @@ CASES = [
     Case("seed_checkpoint", [["--checkpoint.enable", "--checkpoint.create_seed_checkpoint"]], ngpu=1),
 ]
 DEGREES = ("pipeline_parallel", "data_parallel_replicate", "data_parallel_shard", "context_parallel",
-           "tensor_parallel")
+           "tensor_parallel", "expert_parallel")
 
 
 def _degrees(args: list[str]) -> dict[str, int]:
@@ -177,7 +181,8 @@ def _degrees(args: list[str]) -> dict[str, int]:
 
 def layout(case: Case) -> tuple[str, list[list[str]]]:
     """``--simulate`` and each variant's arguments: a pipeline of 2 added where the case has none (the vendor
-    boundary), the world the case's GPU count (doubled where its own degrees already fill it)."""
+    boundary), the world the case's GPU count (doubled where its own degrees already fill it, or where expert
+    parallelism needs more of dp_shard than is left: torchtitan takes ep out of dp_shard x cp x tp)."""
     world, variants = case.ngpu, []
     for args in case.args:
         d = _degrees(args)
@@ -187,30 +192,60 @@ def layout(case: Case) -> tuple[str, list[list[str]]]:
             fixed = 2 * d["data_parallel_replicate"] * max(d["data_parallel_shard"], 1) * d["context_parallel"] * \
                 d["tensor_parallel"]
             world = max(world, fixed)
+        while d["data_parallel_shard"] == -1 and _shard(world, d) * d["context_parallel"] * d["tensor_parallel"] % \
+                d["expert_parallel"]:
+            world *= 2
         variants.append(args)
     if world == 1:
         return "nvidia:1", variants
     return f"nvidia:{world // 2},amd:{world - world // 2}", variants
 
 
-def _run(simulate: str, variants: list[list[str]], dump: Path, all_gloo: bool, cwd: Path) -> dict:
-    """One mode's variants in one dump folder; what each did (exit status, losses, checkpoint steps, cause)."""
+def _shard(world: int, d: dict[str, int]) -> int:
+    """dp_shard as torchtitan derives it (-1: what the other degrees leave of the world)."""
+    return world // (d["pipeline_parallel"] * d["data_parallel_replicate"] * d["context_parallel"] *
+                     d["tensor_parallel"])
+
+
+STEP_LINE = re.compile(r"^\[rank0\]:.*\bstep:\s+(\d+)\s.*\bloss:")
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _repeated_steps(stdout: str) -> list[int]:
+    """Steps that rank 0 (the shown rank) printed more than one step line for."""
+    steps = [int(m.group(1)) for m in map(STEP_LINE.match, ANSI.sub("", stdout).splitlines()) if m]
+    return sorted({s for s in steps if steps.count(s) > 1})
+
+
+def _run(simulate: str, variants: list[list[str]], dump: Path, all_gloo: bool, cwd: Path,
+         logs: Path | None = None) -> dict:
+    """One mode's variants in one dump folder; what each did (exit status, losses, checkpoint steps, cause, steps
+    with more than one step line); with ``logs``, each run's output kept there, every rank shown."""
     out = []
-    for args in variants:
+    for i, args in enumerate(variants):
         args = [a.replace("{dump}", str(dump)) for a in args]
         # the dump folder before the case's arguments: after a tyro subcommand (activation-checkpoint:selective)
         # only that subcommand's options are taken
         cmd = [sys.executable, "-m", "bimetal.cli", "titan", "--simulate", simulate, *(["--all-gloo"] if all_gloo
                                                                                       else []), *BASE,
                f"--dump_folder={dump}", *args]
+        world = sum(int(part.split(":")[1]) for part in simulate.split(","))
+        every = ",".join(map(str, range(world)))
+        shown = cmd if logs is None else [*cmd[:4], "--local-ranks-filter", every, *cmd[4:]]
         shutil.rmtree(dump / "bimetal", ignore_errors=True)
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, cwd=cwd,
+        proc = subprocess.run(shown, capture_output=True, text=True, timeout=3600, cwd=cwd,
                               env={**os.environ, "OMP_NUM_THREADS": "1"})
+        if logs is not None:
+            logs.mkdir(parents=True, exist_ok=True)
+            stem = f"{'gloo' if all_gloo else 'mixed'}-{i}"
+            (logs / f"{stem}.out").write_text(proc.stdout)
+            (logs / f"{stem}.err").write_text(proc.stderr)
         reports = [json.loads(p.read_text()) for p in sorted((dump / "bimetal").glob("rank*.json"))]
         last = [r for r in reports if r["last_stage"]]
         ckpt = sorted(p.name for p in dump.rglob("step-*") if p.is_dir())
         out.append({"rc": proc.returncode, "losses": [e["loss"] for e in last[0]["losses"]] if last else None,
-                    "checkpoints": ckpt, "cause": _cause(proc.stderr), "command": " ".join(cmd[2:])})
+                    "checkpoints": ckpt, "cause": _cause(proc.stderr), "command": " ".join(cmd[2:]),
+                    "repeated_steps": _repeated_steps(proc.stdout)})
         if proc.returncode != 0:
             break
     return {"variants": out}
@@ -220,13 +255,17 @@ CAUSE = re.compile(r"^\[rank\d+\]:((?:\w+\.)*\w*(?:Error|Exception|Interrupt)\b.
 
 
 def _cause(stderr: str) -> str:
+    """The launcher's first sentence (a refusal, or the first rank that died with its cause), else the first
+    exception a shown rank printed, else the last line."""
     lines = stderr.splitlines()
+    said = [line for line in lines if line.startswith("bimetal")]
+    if said:
+        return said[0][:400]
     for line in lines:
         m = CAUSE.match(line)
         if m:
             return m.group(1)[:300]
-    said = [line for line in lines if line.startswith("bimetal")]
-    return said[0][:400] if said else (lines[-1][:300] if lines else "")
+    return lines[-1][:300] if lines else ""
 
 
 def classify(gloo: dict, mixed: dict) -> tuple[str, str]:
@@ -243,6 +282,9 @@ def classify(gloo: dict, mixed: dict) -> tuple[str, str]:
     if len(g) != len(m) or any(v["rc"] != 0 for v in g):
         bad = next(v for v in g if v["rc"] != 0)
         return "fails", f"the all-Gloo run: {bad['cause']}"
+    repeated = [v["repeated_steps"] for v in m if v["repeated_steps"]]
+    if repeated:
+        return "fails", f"rank 0 printed more than one step line for step(s) {repeated[0]}"
     if [v["losses"] for v in g] != [v["losses"] for v in m]:
         return "differs", f"all-Gloo {[v['losses'] for v in g]} vs {[v['losses'] for v in m]}"
     steps = sum(len(v["losses"] or []) for v in m)
@@ -254,14 +296,15 @@ def classify(gloo: dict, mixed: dict) -> tuple[str, str]:
     return "identical", f"{steps} logged step(s) over {len(m)} run(s){saved}"
 
 
-def run_cases(names: list[str], cwd: Path | None) -> None:
+def run_cases(names: list[str], cwd: Path | None, logs: Path | None = None) -> None:
     for case in CASES:
         if case.name not in names or case.disabled:
             continue
         simulate, variants = layout(case)
+        kept = logs / case.name if logs is not None else None
         with tempfile.TemporaryDirectory() as tmp:
-            gloo = _run(simulate, variants, Path(tmp) / "gloo", True, cwd or ROOT)
-            mixed = _run(simulate, variants, Path(tmp) / "mixed", False, cwd or ROOT)
+            gloo = _run(simulate, variants, Path(tmp) / "gloo", True, cwd or ROOT, kept)
+            mixed = _run(simulate, variants, Path(tmp) / "mixed", False, cwd or ROOT, kept)
         status, detail = classify(gloo, mixed)
         records = json.loads(RECORDS.read_text()) if RECORDS.exists() else {}  # read now: another run may have added
         records[case.name] = {"status": status, "detail": detail, "simulate": simulate,
@@ -297,6 +340,8 @@ def main(argv: list[str] | None = None) -> int:
     p = ArgumentParser(prog="scripts/titan_matrix.py", description=__doc__.splitlines()[0])
     p.add_argument("--run", help="cases to run, comma-separated, or 'all'")
     p.add_argument("--cwd", help="where the runs start (a torchtitan clone, for cases that read its tests/assets)")
+    p.add_argument("--logs", help="keep each run's output here (<case>/{gloo,mixed}-<variant>.{out,err}), every "
+                                  "rank shown")
     p.add_argument("--table", action="store_true", help="rewrite the table in docs/torchtitan.md from the records")
     opts = p.parse_args(argv)
     if opts.run:
@@ -305,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             raise UserError(f"unknown case(s) {', '.join(unknown)}; the cases are those of torchtitan's features.py "
                             "listed in docs/torchtitan.md.")
-        run_cases(names, Path(opts.cwd) if opts.cwd else None)
+        run_cases(names, Path(opts.cwd) if opts.cwd else None, Path(opts.logs) if opts.logs else None)
     if opts.table or opts.run:
         write_table()
     return 0

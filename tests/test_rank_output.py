@@ -111,6 +111,44 @@ def test_a_crash_is_one_line_with_its_cause_not_the_thread_dump(capsys: pytest.C
     assert output.cause(2) == "IndexError: list index out of range"
 
 
+def test_cause_lines_of_an_abort_by_the_c_library_and_of_a_re_raised_exception() -> None:
+    """What glibc's heap check said before faulthandler's dump is the rank's cause when nothing else is (seen in an
+    8-rank torchtitan run); a segfault's preceding line is not; an exception re-raised without a message keeps the
+    one that has it."""
+    import types
+
+    aborted = (b"[titan] step 4\nmalloc(): unaligned tcache chunk detected\nFatal Python error: Aborted\n\n"
+               b"Thread 0x00007f (most recent call first):\n  File \"x.py\", line 1 in f\n")
+    reraised = (b"Traceback (most recent call last):\n  File \"x.py\", line 1, in f\nRuntimeError: [pair.cc:553] "
+                b"Connection closed by peer\n\nThe above exception was the direct cause of the following exception:"
+                b"\n\nTraceback (most recent call last):\n  File \"x.py\", line 2, in g\nRuntimeError: \n"
+                b"        Failed to run stage backward:\n")
+    segfault = b"W1207 _redistribute.py:390] While redistributing ...\nFatal Python error: Segmentation fault\n\n"
+    output = RankOutput({0}, stdout=io.StringIO(), stderr=io.StringIO())
+    for rank, err in ((1, aborted), (2, reraised), (3, segfault)):
+        output.attach(rank, types.SimpleNamespace(stdout=io.BytesIO(b""), stderr=io.BytesIO(err)))
+    output.drain()
+    assert output.cause(1) == "malloc(): unaligned tcache chunk detected"
+    assert output.cause(2) == "RuntimeError: [pair.cc:553] Connection closed by peer"
+    assert output.cause(3) == ""  # a segfault says nothing before the dump: a warning there is no cause
+
+
+def test_an_error_file_of_a_re_raised_exception_names_its_root_cause() -> None:
+    """torch's pipeline stage re-raises a failed backward as ``RuntimeError`` whose message starts on its second
+    line; the launcher's "first reason given" is the Gloo error it came from, not "RuntimeError:"."""
+    from bimetal.supervisor import error_file_cause
+
+    stack = ("Traceback (most recent call last):\n  File \"stage.py\", line 1, in backward\n    work.wait()\n"
+             "RuntimeError: [pair.cc:537] Read error: Connection reset by peer\n\nThe above exception was the "
+             "direct cause of the following exception:\n\nTraceback (most recent call last):\n  File \"b.py\", "
+             "line 2, in stage_backward\nRuntimeError: \n        Failed to run stage backward:\n")
+    data = {"message": {"message": "RuntimeError: \n        Failed to run stage backward:\n",
+                        "extraInfo": {"py_callstack": stack, "timestamp": "0"}}}
+    assert error_file_cause(data) == "RuntimeError: [pair.cc:537] Read error: Connection reset by peer"
+    plain = {"message": {"message": "ValueError: bad", "extraInfo": {"py_callstack": stack}}}
+    assert error_file_cause(plain) == "ValueError: bad"
+
+
 def test_the_step_record_is_replaced_never_rewritten_in_place(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A rank killed between the truncation and the write of an in-place rewrite leaves an empty record; a
     replaced one is the old file or the new one. The old file, held by a second link, keeps its step: the

@@ -8,17 +8,22 @@ start from the same world and classify the same way:
 * ``start_world``: bind this rank's GPU, register bimetal's back-ends, create the world (unless the trainer's
   script did), learn every rank's vendor over the store and print the cluster view on rank 0;
 * ``group_backend``: one vendor -> the native back-end, two -> the chosen transport (Gloo for every group in an
-  all-Gloo reference run).
+  all-Gloo reference run);
+* ``rank_entry``: a rank's ``python -m bimetal.integrations.<trainer>``, whose refusals end in one sentence.
 """
 
 from __future__ import annotations
 
+import gc
 import os
+import sys
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch.distributed as dist
 
 from bimetal.comm.registry import CPU_FORWARD, register_backends
+from bimetal.errors import UserError
 from bimetal.parallel.context import _init_world
 from bimetal.parallel.groups import classify, native_backend
 from bimetal.topology.exchange import exchange_topology
@@ -57,3 +62,19 @@ def group_backend(vendors: tuple[str, ...], cross: str, simulated: bool, all_glo
     if classify(vendors) == "cross-vendor":
         return cross
     return native_backend(vendors[0], simulated)
+
+
+def rank_entry(main: Callable[[list[str]], int], label: str) -> int:
+    """One rank's ``python -m bimetal.integrations.<trainer>``: ``main`` on this process's arguments; an error the
+    user can cause ends in one sentence, exit 2, said by bimetal's launcher when it started the rank (else here,
+    as ``<label>: ...``)."""
+    try:
+        status = main(sys.argv[1:])
+        gc.collect()  # join Gloo's worker threads now, not in interpreter shutdown (see bimetal.entry.run_command)
+        return status
+    except UserError as exc:
+        from bimetal.supervisor import report_outcome
+
+        if not report_outcome(2, str(exc)):  # a rank of bimetal's launcher leaves the sentence to it
+            print(f"{label}: {exc}", file=sys.stderr, flush=True)
+        return 2

@@ -12,7 +12,6 @@ of a job torchrun (or srun) started.
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import runpy
 import sys
@@ -97,13 +96,6 @@ def run_rank(script: Path, args: list[str], transport: str, all_gloo: bool) -> i
 
 def rank_main() -> int:
     """``python -m bimetal.integrations.megatron``: errors a user can cause end in one sentence, exit 2."""
-    try:
-        status = main(sys.argv[1:])
-        gc.collect()  # join Gloo's worker threads now, not in interpreter shutdown (see bimetal.entry.run_command)
-        return status
-    except UserError as exc:
-        from bimetal.supervisor import report_outcome
+    from bimetal.integrations.common import rank_entry  # the rank's imports, not the argument check's
 
-        if not report_outcome(2, str(exc)):  # a rank of bimetal's launcher leaves the sentence to it
-            print(f"bimetal megatron: {exc}", file=sys.stderr, flush=True)
-        return 2
+    return rank_entry(main, "bimetal megatron")

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import io
 import logging
 import logging.handlers
@@ -248,6 +247,11 @@ def check_supported(config: Any, world: int, cpu: bool = False) -> None:
     rest = par.pipeline_parallel_degree * par.data_parallel_replicate_degree * par.context_parallel_degree
     shard = par.data_parallel_shard_degree if par.data_parallel_shard_degree > 0 else world // max(
         rest * par.tensor_parallel_degree, 1)
+    ep, spread = par.expert_parallel_degree, shard * par.context_parallel_degree * par.tensor_parallel_degree
+    if ep > 1 and spread % ep:  # torchtitan's mesh then has an expert-FSDP dimension of size 0 (a ValueError per rank)
+        raise UserError(f"parallelism.expert_parallel_degree={ep} must divide dp_shard x cp x tp, which is {shard} x "
+                        f"{par.context_parallel_degree} x {par.tensor_parallel_degree} = {spread} on these {world} "
+                        "ranks (torchtitan takes the expert ranks from them); choose a divisor, or more ranks.")
     if shard > 1 and par.spmd_backend == "spmd_types" and torch.__version__.startswith("2.13"):
         raise UserError("FSDP (data_parallel_shard_degree > 1) with parallelism.spmd_backend=spmd_types fails inside "
                         "fully_shard on torch 2.13 with torchtitan 0.3.0; pass "
@@ -268,10 +272,12 @@ def held_back(show: bool = True) -> Iterator[None]:
     """What torchtitan (and torch) log or warn while bimetal checks a run is held back: shown once every check
     passed, dropped when one refuses the run, so a refusal is its one sentence. ``show=False``: dropped in any case
     (the launcher of a simulated job, whose ranks parse the same arguments and log the same lines, prefixed with
-    their rank). torchtitan logs through the root logger."""
-    root = logging.getLogger()
+    their rank). torchtitan (and torchao, which it imports) log through the root logger; torch through its own
+    ``torch`` logger, which does not pass records on to the root."""
+    root, torch_log = logging.getLogger(), logging.getLogger("torch")
     buffer = logging.handlers.BufferingHandler(capacity=1 << 16)
     saved, root.handlers = root.handlers, [buffer]
+    saved_torch, torch_log.handlers = torch_log.handlers, [buffer]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("default")
         try:
@@ -283,12 +289,14 @@ def held_back(show: bool = True) -> Iterator[None]:
         finally:
             # torchtitan's init_logger, run inside, replaces the handlers: keep its; else put ours back
             root.handlers = saved if root.handlers == [buffer] else [h for h in root.handlers if h is not buffer]
+            torch_log.handlers = saved_torch
     if not show:
         return
     handlers = root.handlers or ([logging.lastResort] if logging.lastResort else [])
     for record in buffer.buffer:
-        if record.levelno >= root.getEffectiveLevel():
-            for handler in handlers:
+        from_torch = record.name == "torch" or record.name.startswith("torch.")
+        if from_torch or record.levelno >= root.getEffectiveLevel():
+            for handler in (saved_torch if from_torch else handlers):
                 if record.levelno >= handler.level:
                     handler.handle(record)
     for w in caught:
@@ -372,12 +380,13 @@ def _launch_simulated(opts: argparse.Namespace, titan_args: list[str], split: li
     output = RankOutput(parse_filter(opts.local_ranks_filter, len(vendors)))
     assets = Path(opts.assets or Path(_dump_folder(titan_args)) / "bimetal_assets")
     check_folder("--assets" if opts.assets else "--assets (default <dump_folder>/bimetal_assets)", assets)
-    cpu_support.install(_module_name(titan_args))
     # The paths only: the assets are written once every check has passed (a refused run writes nothing).
     tok_dir, data_dir = assets / "tokenizer", assets / "c4_test"
     if not _given(titan_args, "training.disable_cuda_graphs"):  # no CUDA graphs on CPU
         titan_args = ["--training.disable_cuda_graphs"] + titan_args
     with held_back(show=False):  # the ranks log the same; the assets are written below, once the checks pass
+        # torchtitan's model imports torchao, whose CUDA kernels fail to load on a CPU with a warning each
+        cpu_support.install(_module_name(titan_args))
         config = load_config(titan_args, cpu=True, split=split)
         titan_args = asset_args(config, titan_args, tok_dir, data_dir) + titan_args
         check_supported(config, len(vendors), cpu=True)
@@ -493,13 +502,6 @@ def run_rank(titan_args: list[str], cpu: bool, split: list[int] | None, pp_trans
 
 def rank_main() -> int:
     """``python -m bimetal.integrations.torchtitan``: errors a user can cause end in one sentence, exit 2."""
-    try:
-        status = main(sys.argv[1:])
-        gc.collect()  # join Gloo's worker threads now, not in interpreter shutdown (see bimetal.entry.run_command)
-        return status
-    except UserError as exc:
-        from bimetal.supervisor import report_outcome
+    from bimetal.integrations.common import rank_entry  # the rank's imports, not the argument check's
 
-        if not report_outcome(2, str(exc)):  # a rank of bimetal's launcher leaves the sentence to it
-            print(f"bimetal titan: {exc}", file=sys.stderr, flush=True)
-        return 2
+    return rank_entry(main, "bimetal titan")

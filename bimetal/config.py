@@ -84,6 +84,13 @@ class ParallelConfig:
     no node has is refused. Empty: ``BIMETAL_IFACES``, else every up IPv4 interface less loopback, bridges,
     tunnels and container networks. Precedence: CLI > file > ``BIMETAL_IFACES`` > that default. The world group
     follows torch's ``GLOO_SOCKET_IFNAME``."""
+    layout: str = "fixed"
+    """``fixed``: the layout is the keys above, as written. ``auto``: the ranks pick pp, dp, tp and the stage split
+    when the job starts, for the world they find (vendor and node of every rank; docs/moving-a-run.md). The global
+    batch (``data.global_batch_size``, else ``data.batch_size`` x ``parallel.dp``) and the rows per microbatch
+    (``data.batch_size`` / ``parallel.microbatches``) are kept; ``pp``, ``dp``, ``tp``, ``dp_shard`` or
+    ``layers_per_stage`` written beside ``auto`` (in the same file, or on the command line) are kept by the pick;
+    ``auto`` on the command line replaces the file's layout keys (said in a note)."""
     cluster: str = ""
     """Cluster spec TOML (as for ``bimetal plan``, e.g. ``configs/clusters/h100_mi300x.toml``, relative to the
     working directory) naming each vendor island's GPU part; ``--dry-run`` sizes every stage against it.
@@ -262,6 +269,9 @@ class TrainConfig:
         if bad:
             raise UserError(f"parallel.interfaces={p.interfaces} holds {bad[0]!r}, which is no interface name or "
                             "pattern; give names like eth0 or patterns like ib*.")
+        if p.layout not in ("fixed", "auto"):
+            raise UserError(f"parallel.layout={p.layout!r} is unknown; use 'fixed' (the keys as written) or 'auto' "
+                            "(picked when the job starts).")
         if p.homogeneous_backend not in ("native", "gloo"):
             raise UserError(f"parallel.homogeneous_backend={p.homogeneous_backend!r} is unknown; "
                             "use 'native' or 'gloo'.")
@@ -529,12 +539,73 @@ def uniform_beside_per_stage(cfg: TrainConfig, file_keys: set[str], cli_keys: se
     return notes
 
 
+AUTO_KEEPS = ("pp", "dp", "tp", "dp_shard", "layers_per_stage")
+"""``parallel`` keys a pick of ``parallel.layout = "auto"`` keeps where they are written beside it."""
+PER_STAGE = (("parallel", "tp_per_stage"), ("parallel", "dp_per_stage"), ("parallel", "dp_shard_per_stage"),
+             ("activation_checkpoint", "mode_per_stage"))
+"""Keys of a per-stage layout, which ``auto`` (a uniform layout) cannot keep."""
+
+
+def auto_layout(cfg: TrainConfig, file_keys: set[str], cli_keys: set[str], file: str,
+                notes: list[str]) -> tuple[TrainConfig, frozenset[str]]:
+    """A config of ``parallel.layout = "auto"`` made ready for the pick, and the layout keys the pick keeps.
+
+    Kept: each of ``AUTO_KEEPS`` written where ``auto`` is, or on the command line over the file's ``auto``
+    (``layers_per_stage`` keeps ``pp`` too). A layout key of the file under ``auto`` given on the command line is
+    replaced (CLI > file): said in ``notes``. A per-stage key where ``auto`` is refused (``UserError``). The
+    global batch and the rows per microbatch the config gives are what the pick keeps: the result holds them as
+    ``data.global_batch_size`` and, for the kept (else one) replica, ``data.batch_size`` and
+    ``parallel.microbatches``; its other layout keys are at their defaults until the pick.
+    """
+    level = 2 if "parallel.layout" in cli_keys else 1
+
+    def written(key: str) -> int:
+        return 2 if key in cli_keys else 1 if key in file_keys else 0
+
+    replaced = [f"{section}.{key}" for section, key in PER_STAGE if written(f"{section}.{key}")]
+    keep = {k for k in AUTO_KEEPS if written(f"parallel.{k}") >= level}
+    replaced += [f"parallel.{k}" for k in AUTO_KEEPS if k not in keep and written(f"parallel.{k}")]
+    if "layers_per_stage" in keep and cfg.parallel.layers_per_stage:
+        keep.add("pp")
+    if replaced:
+        notes.append(f"parallel.layout='auto' (the command line) replaces {', '.join(replaced)} of {file}; the "
+                     "layout is picked when the job starts")
+    p, defaults = cfg.parallel, ParallelConfig()
+    rows = cfg.stage_microbatch(0)  # per microbatch of a replica: kept, as the global batch
+    values = {k: getattr(p if k in keep else defaults, k) for k in AUTO_KEEPS}
+    if "dp" not in keep:  # one replica of each kept shard group, until the pick
+        values["dp"] = values["dp_shard"]
+    batch = cfg.global_batch // values["dp"]
+    parallel = dataclasses.replace(p, **values, microbatches=max(1, batch // rows), tp_per_stage=[], dp_per_stage=[],
+                                   dp_shard_per_stage=[])
+    data = dataclasses.replace(cfg.data, global_batch_size=cfg.global_batch, batch_size=batch)
+    ac = dataclasses.replace(cfg.activation_checkpoint, mode_per_stage=[])
+    return dataclasses.replace(cfg, parallel=parallel, data=data, activation_checkpoint=ac), frozenset(keep)
+
+
+def _auto_beside_per_stage(data: dict[str, Any], file_keys: set[str], cli_keys: set[str], file: str) -> None:
+    """Refuse ``parallel.layout = "auto"`` written where a per-stage key is (before the keys are checked, so the
+    sentence is about the contradiction): ``auto`` picks stages of equal shape."""
+    if not isinstance(data.get("parallel"), dict) or data["parallel"].get("layout") != "auto":
+        return
+    level = 2 if "parallel.layout" in cli_keys else 1
+    for section, key in PER_STAGE:
+        name = f"{section}.{key}"
+        lv = 2 if name in cli_keys else 1 if name in file_keys else 0
+        if lv >= level:
+            raise UserError(f"parallel.layout='auto' picks a layout of equal stages, but {name} "
+                            f"({'the command line' if lv == 2 else file}) gives each stage its own shape; drop one "
+                            "of them (bimetal plan --per-stage --write writes per-stage shapes).")
+
+
 def load_config(path: str | Path | None, overrides: dict[str, Any] | list[str] | None = None,
-                notes: list[str] | None = None) -> TrainConfig:
+                notes: list[str] | None = None, keep: set[str] | None = None) -> TrainConfig:
     """Defaults, then the TOML file at ``path`` (if any), then ``overrides``; raises ``UserError``.
 
     A uniform key written beside its per-stage list is refused unless the list overrides it from the command
-    line or agrees with it (``uniform_beside_per_stage``); ``notes`` receives the sentences of overrides."""
+    line or agrees with it (``uniform_beside_per_stage``); ``notes`` receives the sentences of overrides. With
+    ``parallel.layout = "auto"`` the config is made ready for the pick (``auto_layout``) and ``keep`` receives the
+    layout keys the pick keeps."""
     data: dict[str, Any] = {}
     file = "the command line"
     if path is not None:
@@ -554,8 +625,13 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | list[str] |
             body[key] = value
     try:
         _read_strings(data)
+        _auto_beside_per_stage(data, file_keys, set(overrides or {}), file)
         cfg = check(TrainConfig, data, file, _explain(file, set(overrides or {})))  # __post_init__ validates
         said = uniform_beside_per_stage(cfg, file_keys, set(overrides or {}), file)
+        if cfg.parallel.layout == "auto":
+            cfg, kept = auto_layout(cfg, file_keys, set(overrides or {}), file, said)
+            if keep is not None:
+                keep |= kept
         if notes is not None:
             notes += said
         return cfg

@@ -4,19 +4,25 @@ Through ``bimetal train`` (issue 40), the debug LLaMA-3 of ``configs/demo.toml``
 32 tokens, a global batch of 16 rows. One uninterrupted run of 20 steps on ``nvidia:2,amd:2`` (pp=2 x dp=2,
 split [3, 1]) is the reference; its step-10 checkpoint is resumed for 10 more steps on
 
-* ``amd:1,nvidia:1`` as pp=2 x dp=1 with 8 microbatches in place of 4 (dp=2 -> dp=1, the same global batch);
+* ``amd:1,nvidia:1`` under torchrun with ``parallel.layout = "auto"``: the ranks pick pp=2 x dp=1, split [2, 2], 8
+  microbatches of 2 rows (dp=2 -> dp=1, the same global batch; the one line rank 0 logs is checked);
 * ``nvidia:2`` as pp=1 x tp=2 (pp=2 -> pp=1, a vendor mix -> one vendor, tp=1 -> tp=2), whose step-15
   checkpoint is resumed again by one process (tp=2 -> tp=1);
 * ``nvidia:2`` as pp=1 x dp=2 sharded (FSDP, dp_shard=2), whose step-15 checkpoint (shard parts) is resumed
-  again by one process.
+  again by one process;
+
+and its step-15 checkpoint for 5 more on ``nvidia:4`` with ``auto`` keeping the split [3, 1] as written: the
+same pp and dp, only the vendor mix moves.
 
 Each resumed run's losses equal the reference's (relative 1e-5). The optimizer state travels with the weights:
 the same step-15 checkpoint with its AdamW moments and step counts zeroed (a test double of "the optimizer was
 reset", written through ``checkpoint.save``) gives the reference's loss at step 16 (same weights) and other
 losses after it. A checkpoint in the format before global keys (a test double: the same tensors under
 ``stage0.``, ``meta.json`` without ``keys``, as the trainer wrote them before) resumes on its own layout with the
-reference's losses and is refused on another one; a resume that changes the global batch, and one whose only
-checkpoint is damaged, are refused. Each refusal: exit 2, one line on stderr, nothing written.
+reference's losses and is refused on another one; during a layout change (a fixed one, or one ``auto`` picks), a
+resume of another model, another global batch or another sequence length, and one whose only checkpoint is
+damaged, are refused. Each refusal: exit 2, one line on stderr, nothing written (the folder hashed before and
+after).
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from typing import Any
 
 import pytest
 import torch
+from launcher import clean_env
 from test_train_parity import DEMO, EXE
 
 pytestmark = pytest.mark.timeout(300)
@@ -41,20 +48,42 @@ ONE = ["--parallel.pp=1", "--parallel.layers_per_stage=[]", "--parallel.dp=1", "
 """One process holding the whole model and the whole global batch."""
 PP1 = ["--simulate", "nvidia:2", "--parallel.pp=1", "--parallel.layers_per_stage=[]"]
 """Both stages' layers on one stage of ``nvidia:2``."""
+TORCHRUN = "torchrun"
+"""The move run by torchrun (the ranks find their world with no launcher's check first)."""
 MOVES = {
-    "amd1-nvidia1-dp1": ["--simulate", "amd:1,nvidia:1", "--parallel.dp=1", "--data.batch_size=16",
-                         "--parallel.microbatches=8"],
-    "nvidia2-tp2": [*PP1, "--parallel.dp=1", "--data.batch_size=16", "--parallel.microbatches=8", "--parallel.tp=2",
-                    "--checkpoint.every=5"],
-    "nvidia2-shard2": [*PP1, "--parallel.dp_shard=2", "--checkpoint.every=5"],
+    "amd1-nvidia1-auto": (10, [TORCHRUN, "amd:1,nvidia:1", "--parallel.layout=auto"]),
+    "nvidia2-tp2": (10, [*PP1, "--parallel.dp=1", "--data.batch_size=16", "--parallel.microbatches=8",
+                         "--parallel.tp=2", "--checkpoint.every=5"]),
+    "nvidia2-shard2": (10, [*PP1, "--parallel.dp_shard=2", "--checkpoint.every=5"]),
+    "nvidia4-vendors-only": (15, ["--simulate", "nvidia:4", "--parallel.layout=auto",
+                                  "--parallel.layers_per_stage=[3,1]"]),
 }
-"""Moves of the reference's step-10 checkpoint; the last two write step-15 checkpoints, moved again to one process."""
+"""Moves of the reference's checkpoint of that step; nvidia2-* write step-15 checkpoints, moved again to one process."""
+PICKED = {
+    "amd1-nvidia1-auto": ("parallel.layout='auto' on amd:1,nvidia:1 on 1 node: pp=2 x dp=1 x tp=1, layers per stage "
+                          "[2, 2], 8 microbatch(es) of 2 rows per replica, global batch 16 kept (the fewest pipeline "
+                          "stages whose stages are each one vendor)"),
+    "nvidia4-vendors-only": ("parallel.layout='auto' on nvidia:4 on 1 node: pp=2 x dp=2 x tp=1, layers per stage "
+                             "[3, 1], 4 microbatch(es) of 2 rows per replica, global batch 16 kept (the fewest "
+                             "pipeline stages whose stages are each one vendor, keeping parallel.layers_per_stage, "
+                             "parallel.pp as written)"),
+}
+"""The line rank 0 logs for each move whose layout the ranks pick."""
 RTOL = 1e-5
 
 
 def _bimetal(run: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([EXE, *RUN, f"--metrics.run_dir={run}", *args], capture_output=True, text=True,
-                          timeout=240, cwd=run.parent)
+    """``bimetal train`` of the test's config with ``args``; ``TORCHRUN VENDORS ...``: its rank module under torchrun,
+    one rank per simulated vendor."""
+    head = [EXE, *RUN]
+    env = None
+    if args and args[0] == TORCHRUN:
+        vendors, args = args[1], args[2:]
+        head = [str(Path(EXE).parent / "torchrun"), "--standalone", f"--nproc-per-node={len(vendors.split(','))}",
+                "-m", "bimetal.train", *RUN[1:]]
+        env = clean_env(BIMETAL_SIMULATE=vendors)
+    return subprocess.run([*head, f"--metrics.run_dir={run}", *args], capture_output=True, text=True,
+                          timeout=240, cwd=run.parent, env=env)
 
 
 def _losses(run: Path) -> dict[int, float]:
@@ -91,11 +120,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The reference run and every move of its step-10 checkpoint, each run once for all the tests."""
     base = tmp_path_factory.mktemp("moving")
     ref = base / "reference"
-    r = _bimetal(ref, "--simulate", "nvidia:2,amd:2")
+    r = _bimetal(ref, "--simulate", "nvidia:2,amd:2", "--checkpoint.every=5")  # keeps steps 10, 15 and 20
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     out: dict[str, Any] = {"reference": ref, "base": base}
-    for name, args in MOVES.items():
-        run = _from(ref / "checkpoints" / "step-000010", base / name)
+    for name, (step, args) in MOVES.items():
+        run = _from(ref / "checkpoints" / f"step-{step:06d}", base / name)
         r = _bimetal(run, *args, "--resume")
         assert r.returncode == 0, (name, r.stdout[-2000:] + r.stderr[-3000:])
         out[name] = (run, r.stdout + r.stderr)
@@ -105,10 +134,17 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 @pytest.mark.parametrize("name", list(MOVES))
 def test_a_checkpoint_resumes_on_another_layout_and_vendor_mix_with_the_same_losses(runs, name: str) -> None:
     run, log = runs[name]
-    _same(_losses(run), _losses(runs["reference"]), range(11, 21))
+    step = MOVES[name][0]
+    _same(_losses(run), _losses(runs["reference"]), range(step + 1, 21))
     moved = [line for line in log.splitlines() if "on a new layout" in line]
     assert len(moved) == 1 and "the trajectory" in moved[0], log[-3000:]
     assert "vendors nvidia:2,amd:2 -> " in moved[0], moved[0]  # every move here leaves the AMD pair
+    if name in PICKED:  # one line, by rank 0, says the layout the ranks picked for the world they found
+        picked = [line for line in log.splitlines() if "parallel.layout='auto' on " in line]
+        assert picked == [f"bimetal train: {PICKED[name]}"], log[-3000:]
+    if name == "nvidia4-vendors-only":  # the same pp, dp and split: the vendor mix is the whole move
+        assert moved[0].endswith("on a new layout: vendors nvidia:2,amd:2 -> nvidia:4; the trajectory (model, "
+                                 "global batch, data order, optimizer state) is kept."), moved[0]
 
 
 def test_tp2_and_fsdp_shards_to_one_process_and_the_optimizer_state_travels(runs) -> None:
@@ -185,8 +221,13 @@ def test_a_move_that_changes_the_trajectory_or_finds_damage_is_refused(runs) -> 
     ckpt = runs["reference"] / "checkpoints" / "step-000010"
     run = _from(ckpt, runs["base"] / "refused")
     before = _hashes(run)
-    _refused(_bimetal(run, *PP1, "--data.batch_size=4", "--resume"), "global_batch=16")
-    assert _hashes(run) == before
+    auto = ["--simulate", "nvidia:2", "--parallel.layout=auto"]  # pp=1 x dp=2 picked: a layout change too
+    for args, why in (([*PP1, "--data.batch_size=4"], "global_batch=16"),
+                      ([*auto, "--data.batch_size=4"], "global_batch=16"),
+                      ([*auto, "--data.seq_len=16"], "data.seq_len=32"),
+                      ([*PP1, "--model.flavour=debug", "--model.family=qwen2"], "family='llama3'")):
+        _refused(_bimetal(run, *args, "--resume"), why)
+        assert _hashes(run) == before
     part = next((run / "checkpoints" / "step-000010" / "stage1").glob("*.distcp"))
     data = bytearray(part.read_bytes())
     data[len(data) // 2] ^= 0x5A

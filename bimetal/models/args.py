@@ -164,3 +164,15 @@ def flavour_args(family: str, flavour: str) -> ModelArgs:
         known = ", ".join(f"{f}/{v}" for f, vs in FLAVOURS.items() for v in vs)
         raise UserError(f"model {family}/{flavour} is unknown; set model.family and model.flavour to one of "
                         f"{known}.") from None
+
+
+def check_tp(args: ModelArgs, tp: int, model: str = "the model") -> None:
+    """Refuse a tp degree the model's shapes cannot be split by, in one sentence naming the number."""
+    if tp <= 1:
+        return
+    for field, what in (("n_heads", "attention heads"), ("n_kv_heads", "key/value heads"),
+                        ("ffn_dim", "feed-forward width"), ("vocab_size", "vocabulary size")):
+        value = getattr(args, field)
+        if value % tp:
+            raise UserError(f"parallel.tp={tp} does not divide the {what} of {model} ({field}={value}); choose a "
+                            f"tp that divides {field}.")

@@ -11,7 +11,7 @@ callers pass the context on.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -180,14 +180,16 @@ def _table_stripes() -> tuple[int, list[str]]:
 
 
 def init_parallel(
-    dims: ParallelDims,
+    dims: ParallelDims | Callable[[ClusterView, Any], ParallelDims],
     transports: dict[str, str] | None = None,
     timeout: timedelta = DEFAULT_TIMEOUT,
     print_table: bool = True,
     interfaces: Sequence[str] | None = None,
 ) -> ParallelContext:
     """Bind this rank's GPU, initialise the world from the torchrun environment and build every group of the
-    layout. ``interfaces``: the config's ``parallel.interfaces`` (None: ``BIMETAL_IFACES``, else the default)."""
+    layout. ``interfaces``: the config's ``parallel.interfaces`` (None: ``BIMETAL_IFACES``, else the default).
+    ``dims`` may be a function of the exchanged view and the store: the layout picked for the world the ranks
+    found (``parallel.layout = "auto"``), called on every rank once the view is agreed."""
     device = bind_rank_device()
     owns_world = not dist.is_initialized()
     rank = int(os.environ.get("RANK", "0")) if owns_world else dist.get_rank()
@@ -196,6 +198,8 @@ def init_parallel(
     rank, world = dist.get_rank(), dist.get_world_size()
     store = dist.distributed_c10d._get_default_store()
     view = exchange_topology(store, rank, world, timeout, interfaces=interfaces)
+    if callable(dims):
+        dims = dims(view, store)
     layout = plan_layout(view, dims)
     specs = plan_groups(view, layout, transports, simulated=is_simulated())
     if print_table and rank == 0:

@@ -131,13 +131,20 @@ def main(argv: list[str]) -> int:
             raise UserError("give --config TRAIN.toml (the layout to run), or --titan for torchtitan's trainer.")
         if a.plan:
             raise UserError("--plan is a torchtitan plan and goes with --titan; a train config carries its layout.")
-        cfg = load_config(a.config, rest)
+        keep: set[str] = set()
+        cfg = load_config(a.config, rest, keep=keep)
         cluster = a.cluster or cfg.parallel.cluster
         if not cluster:
             raise UserError(f"{a.config} names no cluster spec (parallel.cluster); add --cluster SPEC so the script "
                             "knows each vendor's nodes and GPUs per node.")
         spec = load_spec(cluster)
         parts = islands(spec)
+        if cfg.parallel.layout == "auto":  # the script places the layout the ranks will pick on these nodes
+            from bimetal.plan.auto_layout import World, pick_layout
+
+            pick = pick_layout(cfg, World.from_spec(cluster), frozenset(keep))
+            cfg = pick.cfg
+            print(pick.line.replace("bimetal train:", "bimetal slurm:", 1), file=sys.stderr)
         stages = _stages(cfg, parts, spec)
         rank_args = ["-m", "bimetal.train", f"--config={Path(a.config).resolve()}",
                      f"--parallel.cluster={Path(cluster).resolve()}", *rest]

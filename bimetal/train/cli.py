@@ -50,7 +50,7 @@ def main(argv: list[str]) -> int:
                       nproc_per_node=len(job.vendors), max_restarts=ns.max_restarts, name="bimetal train")
     from bimetal.train.trainer import train
 
-    summary = train(job.cfg)
+    summary = train(job.cfg, job.keep)
     if summary and int(os.environ.get("RANK", "0")) == 0:
         print(format_summary(summary), flush=True)
     return 0

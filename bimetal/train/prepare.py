@@ -60,6 +60,8 @@ class Job:
     """Its ranks run on this machine (or it is one rank): the files they read and write were checked here."""
     device_type: str = "cuda"
     """What its ranks compute on: ``cpu`` or ``cuda`` (``ranks_device_type``)."""
+    keep: frozenset[str] = frozenset()
+    """With ``parallel.layout = "auto"``: the layout keys the ranks' pick keeps (``config.auto_layout``)."""
 
 
 def ranks_device_type(simulate: str | None, local: bool) -> str:
@@ -138,7 +140,7 @@ def _auto_layout(ns: argparse.Namespace, overrides: list[str], vendors: list[str
     ``parallel.layers_per_stage`` is checked against it), and the sentence saying so."""
     given = parse_overrides(overrides)
     if ns.config or {"parallel.pp", "parallel.dp", "parallel.tp", "parallel.tp_per_stage", "parallel.dp_per_stage",
-                     "parallel.dp_shard_per_stage"} & set(given):
+                     "parallel.dp_shard_per_stage", "parallel.layout"} & set(given):
         return [], ""
     from bimetal.models import flavour_args
 
@@ -257,12 +259,41 @@ def prepare(ns: argparse.Namespace, rest: list[str]) -> Job:
     try:
         auto, note = _auto_layout(ns, overrides, vendors) if vendors and not in_rank else ([], "")
         notes: list[str] = []  # a per-stage list on the command line over the file's uniform key, said once
-        cfg = load_config(ns.config, overrides + auto, notes)  # names the file for a bad value set there
+        keep: set[str] = set()
+        cfg = load_config(ns.config, overrides + auto, notes, keep)  # names the file for a bad value set there
         if not in_rank or (os.environ.get("RANK") == "0" and REPORT_ENV not in os.environ):  # said once per job
             note = "\n".join([note] * bool(note) + [f"bimetal train: {n}." for n in notes])
-        return _checked(ns, cfg, vendors, in_rank, auto, note)
+        if cfg.parallel.layout == "auto" and not in_rank:  # the pick the ranks will make, checked as theirs
+            cfg, said = _pick_here(ns, cfg, vendors, frozenset(keep))
+            note = "\n".join([note] * bool(note) + [said] * bool(said))
+        job = _checked(ns, cfg, vendors, in_rank, auto, note)
+        job.keep = frozenset(keep)
+        return job
     except UserError as exc:
         raise blame_file(exc, ns.config, overrides) from None
+
+
+def _pick_here(ns: argparse.Namespace, cfg: TrainConfig, vendors: list[str],
+               keep: frozenset[str]) -> tuple[TrainConfig, str]:
+    """The layout ``parallel.layout = "auto"`` picks, as far as this process can see the ranks' world: the ranks
+    of ``--simulate``, this one process, or (a dry-run of a torchrun job) the GPUs of ``parallel.cluster``. The
+    ranks pick again for the world they find; the line is shown here by a dry-run only (rank 0 logs it)."""
+    from bimetal.plan.auto_layout import World, pick_layout
+
+    if vendors:
+        world = World.simulated(vendors)
+    elif ns.dry_run and cfg.parallel.cluster:
+        world = World.from_spec(cfg.parallel.cluster)
+    elif ns.dry_run:
+        raise UserError("parallel.layout='auto' is picked for the ranks the job finds, which a dry-run without "
+                        "--simulate cannot see; add --simulate (e.g. --simulate nvidia:2,amd:2) or "
+                        "parallel.cluster (a cluster spec) to check the layout the ranks would pick.")
+    else:
+        from bimetal.topology.vendor import detect_vendor
+
+        world = World.simulated([detect_vendor(0)])
+    pick = pick_layout(cfg, world, keep)
+    return pick.cfg, pick.line if ns.dry_run else ""
 
 
 def _checked(ns: argparse.Namespace, cfg: TrainConfig, vendors: list[str], in_rank: bool, auto: list[str],
@@ -275,13 +306,14 @@ def _checked(ns: argparse.Namespace, cfg: TrainConfig, vendors: list[str], in_ra
     if world > 1:
         _check_transports(cfg)
     if in_rank:
-        check_world(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+        if cfg.parallel.layout != "auto":  # else the ranks pick the layout for the world they have
+            check_world(cfg, int(os.environ.get("WORLD_SIZE", "1")))
         check_outputs(cfg)  # this rank's view of the folders (another node's disks under torchrun)
         if not cfg.checkpoint.resume and not continues_job(cfg):  # a later round of a started job resumes
             from bimetal.train.ckpt_files import check_fresh
 
             check_fresh(checkpoint_folder(cfg), _checkpoint_key(cfg))
-        return Job(cfg, vendors)
+        return Job(cfg, vendors, note=note)  # rank 0 of a torchrun job says the notes (none under bimetal's launcher)
     check_model(cfg, tokenizer=False)  # the model and its stage split: the config alone
     if vendors:
         check_layout(cfg, vendors)

@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, parallelize_module
 
 from bimetal.errors import UserError
+from bimetal.models.args import check_tp as check_tp  # the model-shape check, for the callers of this module
 from bimetal.models.transformer import Transformer
 
 # Per transformer block: module path -> how its weight is split.
@@ -44,18 +45,6 @@ def _replicated_input(n_args: int) -> PrepareModuleInput:
     rest = (None,) * (n_args - 1)
     return PrepareModuleInput(input_layouts=(Replicate(), *rest), desired_input_layouts=(Replicate(), *rest),
                               use_local_output=False)
-
-
-def check_tp(args: Any, tp: int, model: str = "the model") -> None:
-    """Refuse a tp degree the model's shapes cannot be split by, in one sentence naming the number."""
-    if tp <= 1:
-        return
-    for field, what in (("n_heads", "attention heads"), ("n_kv_heads", "key/value heads"),
-                        ("ffn_dim", "feed-forward width"), ("vocab_size", "vocabulary size")):
-        value = getattr(args, field)
-        if value % tp:
-            raise UserError(f"parallel.tp={tp} does not divide the {what} of {model} ({field}={value}); choose a "
-                            f"tp that divides {field}.")
 
 
 def tp_mesh(group: dist.ProcessGroup, device: torch.device) -> DeviceMesh:

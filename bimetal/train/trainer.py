@@ -15,6 +15,7 @@ and the same microbatch split, so the two agree to float32 rounding.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import time
 from collections.abc import Iterator
@@ -180,8 +181,10 @@ def _write_memory(run_dir: str, rank: int, sizes: dict[str, int]) -> None:
     write_text(Path(run_dir) / f"memory-rank{rank}.json", json.dumps(sizes))  # whole or not at all
 
 
-def train(cfg: TrainConfig) -> dict[str, Any]:
-    """Run ``cfg`` on this rank (world from the torchrun env when pp*dp > 1); returns the summary."""
+def train(cfg: TrainConfig, keep: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """Run ``cfg`` on this rank (world from the torchrun env when pp*dp > 1); returns the summary. With
+    ``parallel.layout = "auto"`` the ranks pick the layout for the world they find, keeping the layout keys
+    ``keep`` (``bimetal.plan.auto_layout``)."""
     tok = build_tokenizer(cfg.data.tokenizer)
     tokens = load_tokens(cfg.data.path, tok, cfg.data.bin_dtype)  # a missing file fails before any model work
     from bimetal import models
@@ -190,9 +193,6 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     if tok.vocab_size > args.vocab_size:
         raise UserError(f"tokenizer {cfg.data.tokenizer!r} has {tok.vocab_size} tokens but model "
                         f"{cfg.model.family}/{cfg.model.flavour} has only {args.vocab_size}; match them.")
-    split = cfg.stage_split(args.n_layers)
-    for tp in dict.fromkeys(tp for tp, _, _ in cfg.stage_shapes()):
-        check_tp(args, tp, f"{cfg.model.family}/{cfg.model.flavour}")
     torch.manual_seed(cfg.training.seed)
     torch.set_num_threads(env.read_int("BIMETAL_THREADS", 1))
     if cfg.training.deterministic:
@@ -201,14 +201,35 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     # The rank's GPU, bound before any process group exists: NCCL/RCCL and every transport buffer land on it.
     device = bind_rank_device()
     ctx = None
-    if cfg.world_size > 1:
+    auto = cfg.parallel.layout == "auto"
+    if auto and int(os.environ.get("WORLD_SIZE", "1")) == 1:  # one process: the world is this rank alone
+        from bimetal.plan.auto_layout import World, pick_layout
+        from bimetal.topology.vendor import detect_vendor
+
+        pick = pick_layout(cfg, World.simulated([detect_vendor(0)]), keep)
+        print(pick.line, flush=True)
+        cfg = pick.cfg
+    elif cfg.world_size > 1 or auto:
         from bimetal.parallel import ParallelDims, init_parallel
 
-        ctx = init_parallel(ParallelDims.from_config(cfg),
+        def dims(view: Any, store: Any) -> ParallelDims:
+            """The layout of the config, or the one the ranks pick for the world they found."""
+            nonlocal cfg
+            if auto:
+                from bimetal.plan.auto_layout import agree_layout
+
+                cfg = agree_layout(cfg, keep, view, store, int(os.environ.get("RANK", "0")),
+                                   timedelta(seconds=cfg.parallel.timeout_s)).cfg
+            return ParallelDims.from_config(cfg)
+
+        ctx = init_parallel(dims,
                             transports={"pp": cfg.parallel.pp_transport, "dp": cfg.parallel.dp_transport,
                                         "homogeneous": cfg.parallel.homogeneous_backend},
                             timeout=timedelta(seconds=cfg.parallel.timeout_s),
                             interfaces=cfg.parallel.interfaces or None)
+    split = cfg.stage_split(args.n_layers)
+    for tp in dict.fromkeys(tp for tp, _, _ in cfg.stage_shapes()):
+        check_tp(args, tp, f"{cfg.model.family}/{cfg.model.flavour}")
     smesh = None
     shards = [sh for _, _, sh in cfg.stage_shapes()]
     try:

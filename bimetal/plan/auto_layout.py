@@ -1,0 +1,191 @@
+"""``parallel.layout = "auto"``: the layout picked for the world a job finds when it starts.
+
+``pick_layout(cfg, world, keep)`` is the one pick: from a config made ready by ``bimetal.config.auto_layout`` and
+the world (the vendor and node of every rank) to the config of one fixed layout, and the one line that says
+why. It is pure: every rank computes it from the same agreed world, and the checks before ranks start compute
+it from the world they can see (``--simulate``'s ranks, or the cluster spec of ``parallel.cluster``).
+``agree_layout`` is what a rank runs: the world is the topology view the ranks exchanged as JSON over the store
+(``bimetal.topology.exchange``), rank 0 publishes its pick as JSON and every rank checks its own against it.
+
+The pick keeps the trajectory: the global batch and the rows per microbatch are the config's; a layout is a
+candidate only if its replicas split the global batch into whole microbatches of those rows (at least one per
+stage under 1F1B). Candidates are tried with tp from 1 up, then pp from 1 up (dp takes the rest of the world),
+and the first one that passes the one layout check (``bimetal.parallel.layout.plan_layout``: stages of one
+vendor unless ``parallel.allow_cross_vendor_dp``, tp inside a node and a vendor), the model (pp at most its layers,
+tp dividing its heads and widths) and the kept keys is taken: the most data parallelism, so the fewest pipeline
+bubbles and the least tensor-parallel traffic, with cross-vendor traffic left on the pipeline axis. No device
+numbers are guessed: where its memory is the question, ``bimetal train --dry-run`` sizes the picked layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from bimetal.config import TrainConfig
+from bimetal.errors import UserError
+from bimetal.parallel.layout import LayoutError, ParallelDims, plan_layout
+from bimetal.topology.records import ClusterView, RankRecord
+
+PICK_KEY = "bimetal/layout_auto"
+"""Store prefix under which rank 0 publishes its pick."""
+
+
+@dataclass(frozen=True)
+class World:
+    """The ranks a job has: (node, vendor) of each global rank, in rank order."""
+
+    ranks: tuple[tuple[str, str], ...]
+
+    @classmethod
+    def from_view(cls, view: ClusterView) -> World:
+        """The world of the ranks' exchanged topology records."""
+        return cls(tuple((r.host, r.vendor) for r in view.records))
+
+    @classmethod
+    def simulated(cls, vendors: list[str]) -> World:
+        """``--simulate``'s ranks: one node, rank ``r`` playing ``vendors[r]``."""
+        return cls(tuple(("localhost", v) for v in vendors))
+
+    @classmethod
+    def from_spec(cls, path: str) -> World:
+        """One rank per GPU of a cluster spec, in the job's rank order (``bimetal.plan.layout_check``)."""
+        from bimetal.plan.layout_check import spec_view
+        from bimetal.plan.sbatch import islands
+        from bimetal.plan.spec import load_spec
+
+        return cls.from_view(spec_view(islands(load_spec(path))))
+
+    def view(self) -> ClusterView:
+        """The world as the layout check takes it (local ranks numbered per node in rank order)."""
+        seen: dict[str, int] = {}
+        records = []
+        for rank, (host, vendor) in enumerate(self.ranks):
+            records.append(RankRecord(rank, seen.get(host, 0), host, vendor, "cpu", 0))
+            seen[host] = seen.get(host, 0) + 1
+        return ClusterView(records)
+
+    def describe(self) -> str:
+        """``nvidia:2,amd:2 on 1 node`` (vendor counts in order of first rank)."""
+        counts: dict[str, int] = {}
+        for _, vendor in self.ranks:
+            counts[vendor] = counts.get(vendor, 0) + 1
+        nodes = len({host for host, _ in self.ranks})
+        return f"{','.join(f'{v}:{n}' for v, n in counts.items())} on {nodes} node{'s' * (nodes > 1)}"
+
+
+@dataclass(frozen=True)
+class Pick:
+    """The picked layout: the config that runs it and the sentence rank 0 logs."""
+
+    cfg: TrainConfig
+    line: str
+
+    def keys(self) -> dict[str, Any]:
+        """The picked values (what ranks compare)."""
+        p, d = self.cfg.parallel, self.cfg.data
+        return {"pp": p.pp, "dp": p.dp, "tp": p.tp, "dp_shard": p.dp_shard, "layers_per_stage": p.layers_per_stage,
+                "microbatches": p.microbatches, "batch_size": d.batch_size}
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _refusal(cfg: TrainConfig, pp: int, dp: int, tp: int, keep: frozenset[str], view: ClusterView,
+             n_layers: int, rows: int) -> str | None:
+    """Why (pp, dp, tp) cannot run ``cfg`` on ``view``; None when it can."""
+    from bimetal.models.args import check_tp
+
+    p = cfg.parallel
+    if pp > n_layers:
+        return f"pp={pp} stages are more than the model's {n_layers} layers"
+    if "dp_shard" in keep and dp % p.dp_shard:
+        return f"parallel.dp_shard={p.dp_shard} does not divide dp={dp}"
+    if cfg.global_batch % (dp * rows):
+        return (f"dp={dp} replicas cannot split the global batch of {cfg.global_batch} rows into microbatches of "
+                f"{rows} rows")
+    if p.schedule == "1f1b" and pp > 1 and cfg.global_batch // (dp * rows) < pp:
+        return (f"pp={pp} x dp={dp} leaves {cfg.global_batch // (dp * rows)} microbatch(es) per replica, fewer than "
+                "the stages 1F1B fills")
+    try:
+        check_tp(_model_args(cfg), tp, f"{cfg.model.family}/{cfg.model.flavour}")
+        plan_layout(view, ParallelDims(pp=pp, dp=dp, tp=tp, allow_cross_vendor_dp=p.allow_cross_vendor_dp))
+    except (LayoutError, UserError) as exc:
+        return str(exc).rstrip(".")
+    return None
+
+
+def _model_args(cfg: TrainConfig) -> Any:
+    from bimetal.models import flavour_args
+
+    return flavour_args(cfg.model.family, cfg.model.flavour)
+
+
+def pick_layout(cfg: TrainConfig, world: World, keep: frozenset[str] = frozenset()) -> Pick:
+    """The layout of ``cfg`` (``parallel.layout = "auto"``, made ready by ``bimetal.config.auto_layout``) for
+    ``world``, keeping the layout keys ``keep`` as ``cfg`` holds them; ``UserError`` (one sentence naming the world
+    and the first reason) when none fits. Deterministic: the same inputs give the same pick on every rank."""
+    p = cfg.parallel
+    n = len(world.ranks)
+    view = world.view()
+    n_layers = _model_args(cfg).n_layers
+    rows = cfg.stage_microbatch(0)
+    reasons: list[str] = []
+    for tp in _divisors(n):
+        for pp in _divisors(n // tp):
+            dp = n // (tp * pp)
+            if any(k in keep and getattr(p, k) != v for k, v in (("pp", pp), ("dp", dp), ("tp", tp))):
+                continue
+            why = _refusal(cfg, pp, dp, tp, keep, view, n_layers, rows)
+            if why is not None:
+                reasons.append(f"pp={pp} x dp={dp} x tp={tp}: {why}")
+                continue
+            return _picked(cfg, world, keep, pp, dp, tp, rows)
+    kept = ", ".join(f"parallel.{k}={getattr(p, k)}" for k in sorted(keep))
+    first = reasons[0] if reasons else f"no pp x dp x tp with {kept} makes {n} ranks"
+    raise UserError(f"parallel.layout='auto' finds no layout for {world.describe()} ({n} ranks)"
+                    f"{' keeping ' + kept if kept else ''}: {first}; change the kept keys or the world.")
+
+
+def _picked(cfg: TrainConfig, world: World, keep: frozenset[str], pp: int, dp: int, tp: int, rows: int) -> Pick:
+    p, gb = cfg.parallel, cfg.global_batch
+    split = list(p.layers_per_stage) if "layers_per_stage" in keep else []
+    parallel = dataclasses.replace(p, pp=pp, dp=dp, tp=tp, dp_shard=p.dp_shard if "dp_shard" in keep else 1,
+                                   layers_per_stage=split, microbatches=gb // (dp * rows), layout="fixed")
+    data = dataclasses.replace(cfg.data, batch_size=gb // dp, global_batch_size=gb)
+    picked = dataclasses.replace(cfg, parallel=parallel, data=data)
+    shown = picked.stage_split(_model_args(cfg).n_layers)
+    vendors = {v for _, v in world.ranks}
+    if pp == 1:
+        why = "one vendor: data parallel only" if len(vendors) == 1 else \
+            "data parallel across vendors, as parallel.allow_cross_vendor_dp allows"
+    else:
+        why = "the fewest pipeline stages whose stages are each one vendor"
+    if keep:
+        why += f", keeping {', '.join(f'parallel.{k}' for k in sorted(keep))} as written"
+    line = (f"bimetal train: parallel.layout='auto' on {world.describe()}: pp={pp} x dp={dp} x tp={tp}"
+            f"{f' x dp_shard={parallel.dp_shard}' if parallel.dp_shard > 1 else ''}, layers per stage {shown}, "
+            f"{parallel.microbatches} microbatch(es) of {rows} rows per replica, global batch {gb} kept ({why})")
+    return Pick(picked, line)
+
+
+def agree_layout(cfg: TrainConfig, keep: frozenset[str], view: ClusterView, store: Any, rank: int,
+                 timeout: timedelta) -> Pick:
+    """This rank's pick for the ranks' exchanged ``view``, checked against rank 0's (published as JSON over the
+    store); rank 0 logs the line. Ranks that disagree (another bimetal) stop, naming both picks."""
+    from bimetal.topology import store_exchange
+
+    pick = pick_layout(cfg, World.from_view(view), keep)
+    mine = pick.keys()
+    if rank == 0:
+        store_exchange.publish(store, PICK_KEY, 0, mine)
+        print(pick.line, flush=True)
+    theirs: dict[str, Any] = store_exchange.gather(store, PICK_KEY, [0], timeout)[0]
+    if theirs != json.loads(json.dumps(mine)):
+        raise UserError(f"rank {rank} picked the layout {mine} for parallel.layout='auto' but rank 0 picked "
+                        f"{theirs}; start every rank with the same bimetal and config.")
+    return pick

@@ -304,10 +304,11 @@ def _begin_round(job: JobStore, ctx: Any, cfg: TrainConfig, start: int, path: An
         ranks = [(ctx.view.host_of(r), ctx.view.vendor_of(r)) for r in range(ctx.world_size)]
         layout = ctx.layout.dims.describe()
     else:
+        from bimetal.parallel import ParallelDims
         from bimetal.topology.exchange import host_identity
         from bimetal.topology.vendor import detect_vendor
 
-        ranks, layout = [(host_identity(), detect_vendor(0))], "one process"
+        ranks, layout = [(host_identity(), detect_vendor(0))], ParallelDims.from_config(cfg).describe()
     before, done = job.previous()
     now = World.of(ranks, layout)
     job.begin(now)

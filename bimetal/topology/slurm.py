@@ -243,8 +243,10 @@ def adopt(env: MutableMapping[str, str] | None = None) -> SlurmJob | None:
     return job
 
 
-def check_allocation(islands: Sequence[Island], job: SlurmJob, source: str, vendor: str | None = None) -> None:
+def check_allocation(islands: Sequence[Island], job: SlurmJob, source: str, vendor: str | None = None,
+                     agents: bool = False) -> None:
     """Refuse, in one sentence, an allocation that does not have the shape ``islands`` (in component order) need.
+    ``agents``: an elastic job's, one task per node (its torchrun agent) in place of one per GPU.
 
     ``source`` names where the islands come from (the cluster spec). With a task: also the step's task count,
     the GPUs Slurm gave this task's node and, when ``vendor`` is given, the vendor this task found itself on.
@@ -262,7 +264,10 @@ def check_allocation(islands: Sequence[Island], job: SlurmJob, source: str, vend
             raise UserError(f"{where} has {len(comp.nodes)} node(s), {few} for {isl.describe()} of {source}; "
                             f"ask for --nodes={isl.nodes} there, or {fix}.")
         for node, count in zip(comp.nodes, comp.tasks_per_node):
-            if count != isl.gpus_per_node:
+            if agents and count != 1:
+                raise UserError(f"{where} runs {count} task(s) on node {node} but an elastic job runs one torchrun "
+                                f"agent per node; ask for --ntasks-per-node=1, or {fix}.")
+            if not agents and count != isl.gpus_per_node:
                 raise UserError(f"{where} runs {count} task(s) on node {node} but {isl.describe()} of {source} "
                                 f"needs one rank per GPU, {isl.gpus_per_node} per node; ask for "
                                 f"--ntasks-per-node={isl.gpus_per_node}, or {fix}.")

@@ -91,7 +91,7 @@ def test_what_is_not_adopted() -> None:
     batch = {k: v for k, v in FAKE_HET_STEP.items() if k != "SLURM_STEP_ID"}  # the batch script: PROCID 0, no step
     assert adopt(batch) is None and "RANK" not in batch
     torchrun = {**FAKE_HET_STEP, "RANK": "5"}  # torchrun under srun numbers the ranks itself
-    assert adopt(torchrun) is None and torchrun["RANK"] == "5"
+    assert adopt(torchrun) is None and torchrun["RANK"] == "5" and torchrun["BIMETAL_HOST"] == "amd-node"
     single = {**FAKE_HET_STEP, "SLURM_STEP_NUM_TASKS": "1"}  # srun --pty bash: one process, no rendezvous
     assert adopt(single) is None and "RANK" not in single
     preset = {**FAKE_HET_STEP, "MASTER_PORT": "29555", "MASTER_ADDR": "10.0.0.1"}

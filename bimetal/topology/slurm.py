@@ -228,12 +228,16 @@ def torchrun_env(job: SlurmJob, env: Mapping[str, str]) -> dict[str, str]:
 
 def adopt(env: MutableMapping[str, str] | None = None) -> SlurmJob | None:
     """In a task of a Slurm step of several tasks, where no launcher set RANK: set the torchrun variables from
-    Slurm's and return the job; otherwise change nothing and return None.
+    Slurm's and return the job; otherwise return None, changing nothing but the host name of a rank that torchrun
+    started in a Slurm step (``BIMETAL_HOST``: the Slurm node, as for a task).
 
     A step of one task (``srun --pty bash``, a one-GPU job) is left alone: one process needs no rendezvous, and a
     ``bimetal train --simulate`` typed inside it must still start its own ranks.
     """
     env = os.environ if env is None else env
+    if "RANK" in env and "SLURM_STEP_ID" in env and env.get("SLURMD_NODENAME") and not env.get(HOST_ENV):
+        # torchrun under srun (``bimetal slurm --elastic``) numbered the ranks; the node is still Slurm's
+        env[HOST_ENV] = env["SLURMD_NODENAME"]
     if "RANK" in env or "SLURM_STEP_ID" not in env or "SLURM_PROCID" not in env:
         return None
     job = read_job(env)

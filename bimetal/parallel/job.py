@@ -8,6 +8,13 @@ folders, has its own. So a round that finds ``STARTED`` in it continues a job wh
 of a start (a fresh folder, or ``--resume``), and resumes by itself; one that does not find it is a start, checked
 as one, whatever ``TORCHELASTIC_RESTART_COUNT`` says (a start refused in round 0 is refused in every round).
 
+That store lives on the node whose agent was rank 0 of the job's first round (torch 2.13 shares it with the
+workers), which need not be the rendezvous node. Where that node is the one lost, the next round's rank 0 starts a
+new, empty store. So the first round that starts also writes ``elastic-job.json`` into the run folder, naming the
+rendezvous id (``TORCHELASTIC_RUN_ID``: torchrun's ``--rdzv-id``, Slurm's job id in ``bimetal slurm``'s script)
+and its world; a round whose store is new continues the job when that file names its own rendezvous id. torchrun's
+default id ``none`` names no job, so a job started without ``--rdzv-id`` has only its store.
+
 The keys a round leaves stay in that store, so each round needs keys of its own (the world's Gloo addresses of a
 dead round point at dead ports). ``TORCHELASTIC_RESTART_COUNT`` cannot name a round: torchrun keeps it on a restart
 for a membership change (a node joining), and a node that joins later counts from 0 while the others do not. So
@@ -25,6 +32,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -68,6 +76,26 @@ class World:
         return World(list(hosts.values()), layout)
 
 
+RECORD = "elastic-job.json"
+"""In the run folder: the rendezvous id of the job that started there and the world of its newest round."""
+
+
+def run_id() -> str | None:
+    """This torchrun job's rendezvous id, or None where it names no job (torchrun's default ``none``)."""
+    rid = os.environ.get("TORCHELASTIC_RUN_ID")
+    return rid if rid and rid != "none" else None
+
+
+def read_record(run_dir: str) -> dict[str, Any] | None:
+    """``elastic-job.json`` of ``run_dir`` where it names this job's rendezvous id, else None."""
+    try:
+        record = json.loads((Path(run_dir) / RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+    rid = run_id()
+    return record if isinstance(record, dict) and rid is not None and record.get("run_id") == rid else None
+
+
 class JobStore:
     """The agent's store of this torchrun job, as a client; ``connect`` gives None outside such a job."""
 
@@ -85,19 +113,27 @@ class JobStore:
     def _get(self, key: str) -> str | None:
         return self.store.get(key).decode() if self.store.check([key]) else None
 
-    def started(self) -> bool:
+    def started(self, run_dir: str) -> bool:
         """An earlier round of this job passed the checks of a start (see the module's docstring)."""
-        return self.store.check([STARTED])
+        return self.store.check([STARTED]) or read_record(run_dir) is not None
 
-    def previous(self) -> tuple[World | None, int | None]:
-        """The world of the newest round that started before this one, and the last step the job finished."""
+    def previous(self, run_dir: str) -> tuple[World | None, int | None]:
+        """The world of the newest round that started before this one, and the last step the job finished (from
+        the store; where the store is new, the run folder's record and ``metrics.jsonl``)."""
         world, step = self._get(WORLD), self._get(STEP)
+        if world is None and (record := read_record(run_dir)) is not None:
+            world, step = json.dumps(record["world"]), str(_last_step(run_dir) or "")
         return (World(**json.loads(world)) if world else None), (int(step) if step else None)
 
-    def begin(self, world: World) -> None:
+    def begin(self, world: World, run_dir: str) -> None:
         """Rank 0, once every rank of the round passed its checks: this round has started, with ``world``."""
-        self.store.set(WORLD, json.dumps({"hosts": world.hosts, "layout": world.layout}))
+        text = json.dumps({"hosts": world.hosts, "layout": world.layout})
+        self.store.set(WORLD, text)
         self.store.set(STARTED, "1")
+        if run_id() is not None:
+            from bimetal.outputs import write_text
+
+            write_text(Path(run_dir) / RECORD, json.dumps({"run_id": run_id(), "world": json.loads(text)}))
 
     def finished(self, step: int) -> None:
         """The job finished ``step`` (said by the rank that logs the steps)."""
@@ -135,6 +171,15 @@ class JobStore:
             self.store.set(f"bimetal/round/{token}/ack/{rank}", mine)
             if wait(f"bimetal/round/{token}/go/{mine}", _RETRY_S, "rank 0"):
                 return f"bimetal/round/{token}"
+
+
+def _last_step(run_dir: str) -> int | None:
+    """The last step ``metrics.jsonl`` holds (rank 0 writes a line per step), before a resume cuts it back."""
+    try:
+        lines = [ln for ln in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+        return int(json.loads(lines[-1])["step"]) if lines else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _ranks(ranks: list[int]) -> str:

@@ -167,7 +167,7 @@ def continues_job(cfg: TrainConfig) -> bool:
     from bimetal.parallel.job import JobStore
 
     job = JobStore.connect(timedelta(seconds=cfg.parallel.timeout_s))
-    return job is not None and job.started()
+    return job is not None and job.started(cfg.metrics.run_dir)
 
 
 def checkpoint_folder(cfg: TrainConfig) -> str:

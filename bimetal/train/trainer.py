@@ -309,9 +309,9 @@ def _begin_round(job: JobStore, ctx: Any, cfg: TrainConfig, start: int, path: An
         from bimetal.topology.vendor import detect_vendor
 
         ranks, layout = [(host_identity(), detect_vendor(0))], ParallelDims.from_config(cfg).describe()
-    before, done = job.previous()
+    before, done = job.previous(cfg.metrics.run_dir)
     now = World.of(ranks, layout)
-    job.begin(now)
+    job.begin(now, cfg.metrics.run_dir)
     if before is not None:
         print(restart_line(before, now, done, start, None if path is None else str(path)), flush=True)
 
@@ -393,7 +393,7 @@ def _run(cfg: TrainConfig, ctx: Any, smesh: Any, models: Any, args: Any, split: 
     # A later round of a job that started (torchrun restarted it: a rank died, a node left or joined) resumes by
     # itself: it loses at most the steps since the newest checkpoint. Its job's store says so (``parallel.job``).
     job = ctx.job if ctx is not None else JobStore.connect(timedelta(seconds=cfg.parallel.timeout_s))
-    resume = cfg.checkpoint.resume or (job is not None and job.started())
+    resume = cfg.checkpoint.resume or (job is not None and job.started(cfg.metrics.run_dir))
     # Each rank reads its own part, its extra and the meta back against their checksums; all take the newest
     # checkpoint no rank found damaged. Where none is usable among the ones there, every rank stops: starting
     # from step 0 would replace them and pruning delete them.

@@ -86,7 +86,8 @@ class ParallelConfig:
     follows torch's ``GLOO_SOCKET_IFNAME``."""
     layout: str = "fixed"
     """``fixed``: the layout is the keys above, as written. ``auto``: the ranks pick pp, dp, tp and the stage split
-    when the job starts, for the world they find (vendor and node of every rank; docs/moving-a-run.md). The global
+    when the job starts, for the world they find (vendor and node of every rank; docs/moving-a-run.md): the most
+    data-parallel layout that fits, or with ``cluster`` the one the planner predicts fastest. The global
     batch (``data.global_batch_size``, else ``data.batch_size`` x ``parallel.dp``) and the rows per microbatch
     (``data.batch_size`` / ``parallel.microbatches``) are kept; ``pp``, ``dp``, ``tp``, ``dp_shard`` or
     ``layers_per_stage`` written beside ``auto`` (in the same file, or on the command line) are kept by the pick;
@@ -576,6 +577,10 @@ def auto_layout(cfg: TrainConfig, file_keys: set[str], cli_keys: set[str], file:
     if "dp" not in keep:  # one replica of each kept shard group, until the pick
         values["dp"] = values["dp_shard"]
     batch = cfg.global_batch // values["dp"]
+    if cfg.global_batch % values["dp"] or batch % rows:
+        raise UserError(f"parallel.dp_shard={values['dp_shard']} kept beside parallel.layout='auto' cannot split the "
+                        f"global batch of {cfg.global_batch} rows into shard groups of whole microbatches of {rows} "
+                        "rows; change parallel.dp_shard or the batch.")
     parallel = dataclasses.replace(p, **values, microbatches=max(1, batch // rows), tp_per_stage=[], dp_per_stage=[],
                                    dp_shard_per_stage=[])
     data = dataclasses.replace(cfg.data, global_batch_size=cfg.global_batch, batch_size=batch)

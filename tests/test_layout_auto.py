@@ -195,3 +195,21 @@ def test_the_slurm_script_places_the_stages_of_the_pick(capsys, monkeypatch) -> 
                                           "dp=4 x tp=2"), err
     assert "ranks 0-7, stage 0" in out and "ranks 8-15, stage 1" in out  # the picked pp=2, one stage per island
     assert out.count("-m bimetal.train ") == 2 and out.count("--parallel.layout=auto") >= 2  # the ranks pick again
+
+
+def test_with_a_cluster_spec_the_planner_prices_the_layouts_that_fit_and_refuses_what_overflows_memory() -> None:
+    """llama3-8b on configs/clusters/h100_mi300x.toml: the planner's fastest layout and its balanced split; the same
+    spec cut to the world the ranks found (the AMD node gone); a world whose every layout overflows the H100."""
+    cfg, keep, _ = _cfg(f"--parallel.cluster={SPEC}", "--model.flavour=llama3-8b", "--data.seq_len=4096",
+                        "--data.global_batch_size=64", "--data.batch_size=64", "--parallel.microbatches=64",
+                        config=None)
+    full = pick_layout(cfg, World.from_spec(str(SPEC)), keep)
+    p = full.cfg.parallel
+    assert (p.pp, p.dp, p.tp, p.layers_per_stage, p.microbatches) == (2, 4, 2, [17, 15], 16), full.line
+    assert "(the fastest of 8 that fit, " in full.line and f"tokens/s as the planner predicts on {SPEC})" in full.line
+    alone = pick_layout(cfg, _world("nvidia:8"), keep)  # the spec's H100 group, one node of the world's 8 ranks
+    assert (alone.cfg.parallel.pp, alone.cfg.parallel.dp, alone.cfg.parallel.tp) == (2, 2, 2), alone.line
+    assert "the fastest of 6 that fit" in alone.line
+    with pytest.raises(UserError, match=r"nvidia:2 on 1 node \(2 ranks\): pp=1 x dp=2 x tp=1: stage 0 needs "
+                                        r"[0-9.]+ GB per GPU, over 90% of the 80 GB"):
+        pick_layout(cfg, _world("nvidia:2"), keep)

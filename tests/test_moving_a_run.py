@@ -22,7 +22,7 @@ losses after it. A checkpoint in the format before global keys (a test double: t
 reference's losses and is refused on another one; during a layout change (a fixed one, or one ``auto`` picks), a
 resume of another model, another global batch or another sequence length, and one whose only checkpoint is
 damaged, are refused. Each refusal: exit 2, one line on stderr, nothing written (the folder hashed before and
-after).
+after); a refusal comes before any rank starts, so it runs ``bimetal.cli.main`` in this process.
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ import pytest
 import torch
 from launcher import clean_env
 from test_train_parity import DEMO, EXE
+
+from bimetal.cli import main
 
 pytestmark = pytest.mark.timeout(300)
 RUN = ["train", "--config", str(DEMO), "--training.steps=20", "--checkpoint.every=10", "--metrics.log_every=100",
@@ -108,11 +110,20 @@ def _hashes(folder: Path) -> dict[str, str]:
             for p in sorted(folder.rglob("*"))}
 
 
-def _refused(proc: subprocess.CompletedProcess, fragment: str) -> None:
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert proc.returncode == 2, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
-    assert len(lines) == 1 and lines[0].startswith("bimetal ") and fragment in lines[0], proc.stderr
-    assert "Traceback" not in proc.stderr + proc.stdout and "resumed from" not in proc.stdout
+def _refused(run: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, fragment: str,
+             *args: str) -> None:
+    """``bimetal train ARGS`` on ``run`` is refused: exit 2, one line on stderr naming ``fragment``, nothing trained.
+    Run by ``bimetal.cli.main`` in this process (a refusal comes before any rank starts: no process to pay for)."""
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "BIMETAL_SIMULATE", "BIMETAL_VENDOR"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.chdir(run.parent)
+    capsys.readouterr()
+    code = main([*RUN, f"--metrics.run_dir={run}", *args])
+    out, err = capsys.readouterr()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2, (code, out[-2000:], err[-2000:])
+    assert len(lines) == 1 and lines[0].startswith("bimetal ") and fragment in lines[0], err
+    assert "Traceback" not in err + out and "resumed from" not in out
 
 
 @pytest.fixture(scope="module")
@@ -204,20 +215,20 @@ def _legacy(ckpt: Path, folder: Path) -> Path:
     return folder
 
 
-def test_an_old_checkpoint_loads_on_its_own_layout_and_is_refused_on_another(runs) -> None:
+def test_an_old_checkpoint_loads_on_its_own_layout_and_is_refused_on_another(runs, capsys, monkeypatch) -> None:
     ref = _losses(runs["reference"])
     tp_run, _ = runs["nvidia2-tp2"]
     old = _legacy(tp_run / "checkpoints" / "step-000015", runs["base"] / "legacy")
     before = _hashes(old)
-    _refused(_bimetal(old, "--simulate", "nvidia:2", *ONE, "--parallel.dp=2", "--data.batch_size=8", "--resume"),
-             "before checkpoints were keyed by global names")
+    _refused(old, capsys, monkeypatch, "before checkpoints were keyed by global names", "--simulate", "nvidia:2", *ONE,
+             "--parallel.dp=2", "--data.batch_size=8", "--resume")
     assert _hashes(old) == before
     r = _bimetal(old, *ONE, "--resume")
     assert r.returncode == 0 and "on a new layout" not in r.stderr, r.stdout[-2000:] + r.stderr[-3000:]
     _same(_losses(old), ref, range(16, 21))
 
 
-def test_a_move_that_changes_the_trajectory_or_finds_damage_is_refused(runs) -> None:
+def test_a_move_that_changes_the_trajectory_or_finds_damage_is_refused(runs, capsys, monkeypatch) -> None:
     ckpt = runs["reference"] / "checkpoints" / "step-000010"
     run = _from(ckpt, runs["base"] / "refused")
     before = _hashes(run)
@@ -226,12 +237,12 @@ def test_a_move_that_changes_the_trajectory_or_finds_damage_is_refused(runs) -> 
                       ([*auto, "--data.batch_size=4"], "global_batch=16"),
                       ([*auto, "--data.seq_len=16"], "data.seq_len=32"),
                       ([*PP1, "--model.flavour=debug", "--model.family=qwen2"], "family='llama3'")):
-        _refused(_bimetal(run, *args, "--resume"), why)
+        _refused(run, capsys, monkeypatch, why, *args, "--resume")
         assert _hashes(run) == before
     part = next((run / "checkpoints" / "step-000010" / "stage1").glob("*.distcp"))
     data = bytearray(part.read_bytes())
     data[len(data) // 2] ^= 0x5A
     part.write_bytes(bytes(data))
     before = _hashes(run)
-    _refused(_bimetal(run, *PP1, "--resume"), "found no usable checkpoint")
+    _refused(run, capsys, monkeypatch, "found no usable checkpoint", *PP1, "--resume")
     assert _hashes(run) == before

@@ -13,8 +13,10 @@ stage under 1F1B). Candidates are tried with tp from 1 up, then pp from 1 up (dp
 and the first one that passes the one layout check (``bimetal.parallel.layout.plan_layout``: stages of one
 vendor unless ``parallel.allow_cross_vendor_dp``, tp inside a node and a vendor), the model (pp at most its layers,
 tp dividing its heads and widths) and the kept keys is taken: the most data parallelism, so the fewest pipeline
-bubbles and the least tensor-parallel traffic, with cross-vendor traffic left on the pipeline axis. No device
-numbers are guessed: where its memory is the question, ``bimetal train --dry-run`` sizes the picked layout.
+bubbles and the least tensor-parallel traffic, with cross-vendor traffic left on the pipeline axis. With
+``parallel.cluster`` the planner (``bimetal.plan.search.evaluate``) prices every layout that fits on the spec's node
+groups cut to the world, refuses those over the device memory, and the fastest is taken with its balanced split.
+Without a spec no device numbers are guessed.
 """
 
 from __future__ import annotations
@@ -126,15 +128,18 @@ def _model_args(cfg: TrainConfig) -> Any:
 
 
 def pick_layout(cfg: TrainConfig, world: World, keep: frozenset[str] = frozenset()) -> Pick:
-    """The layout of ``cfg`` (``parallel.layout = "auto"``, made ready by ``bimetal.config.auto_layout``) for
-    ``world``, keeping the layout keys ``keep`` as ``cfg`` holds them; ``UserError`` (one sentence naming the world
-    and the first reason) when none fits. Deterministic: the same inputs give the same pick on every rank."""
+    """The layout of ``cfg`` (``parallel.layout = "auto"``, made ready by ``bimetal.config.auto_layout``; or any
+    uniform config, whose layout is then replaced) for ``world``, keeping its global batch, its rows per
+    microbatch and the layout keys ``keep`` as ``cfg`` holds them; ``UserError`` (one sentence naming the world
+    and the first reason) when none fits. With ``parallel.cluster`` the planner prices the layouts that fit
+    (``_pricing``) and the fastest is taken. Deterministic: the same inputs give the same pick on every rank."""
     p = cfg.parallel
     n = len(world.ranks)
     view = world.view()
     n_layers = _model_args(cfg).n_layers
     rows = cfg.stage_microbatch(0)
     reasons: list[str] = []
+    fits: list[tuple[int, int, int]] = []
     for tp in _divisors(n):
         for pp in _divisors(n // tp):
             dp = n // (tp * pp)
@@ -143,27 +148,85 @@ def pick_layout(cfg: TrainConfig, world: World, keep: frozenset[str] = frozenset
             why = _refusal(cfg, pp, dp, tp, keep, view, n_layers, rows)
             if why is not None:
                 reasons.append(f"pp={pp} x dp={dp} x tp={tp}: {why}")
-                continue
-            return _picked(cfg, world, keep, pp, dp, tp, rows)
-    kept = ", ".join(f"parallel.{k}={getattr(p, k)}" for k in sorted(keep))
-    first = reasons[0] if reasons else f"no pp x dp x tp with {kept} makes {n} ranks"
-    raise UserError(f"parallel.layout='auto' finds no layout for {world.describe()} ({n} ranks)"
-                    f"{' keeping ' + kept if kept else ''}: {first}; change the kept keys or the world.")
+            else:
+                fits.append((pp, dp, tp))
+    priced = _pricing(cfg, world, keep, rows, fits, reasons) if fits and p.cluster else None
+    if priced is not None:
+        fits = [f for f in fits if f in priced]
+    if not fits:
+        kept = ", ".join(f"parallel.{k}={getattr(p, k)}" for k in sorted(keep))
+        first = reasons[0] if reasons else f"no pp x dp x tp with {kept} makes {n} ranks"
+        raise UserError(f"parallel.layout='auto' finds no layout for {world.describe()} ({n} ranks)"
+                        f"{' keeping ' + kept if kept else ''}: {first}; change the kept keys or the world.")
+    if priced is None:
+        return _picked(cfg, world, keep, *fits[0], rows)
+    best = max(fits, key=lambda f: priced[f][0])  # the first of equals: the candidates' order breaks ties
+    tokens, split = priced[best]
+    why = (f"the fastest of {len(fits)} that fit, {tokens:,.0f} tokens/s as the planner predicts on "
+           f"{p.cluster}")
+    return _picked(cfg, world, keep, *best, rows, split=split, why=why)
 
 
-def _picked(cfg: TrainConfig, world: World, keep: frozenset[str], pp: int, dp: int, tp: int, rows: int) -> Pick:
+def _pricing(cfg: TrainConfig, world: World, keep: frozenset[str], rows: int, fits: list[tuple[int, int, int]],
+             reasons: list[str]) -> dict[tuple[int, int, int], tuple[float, list[int]]] | None:
+    """The planner's prediction (tokens/s, and its balanced stage split unless one is kept) of each layout that
+    fits, on the node groups of ``parallel.cluster`` cut to the world (per vendor: its first group there, with the
+    world's nodes and ranks per node); a layout over the device memory joins ``reasons``. None where the planner
+    cannot price: a model it does not know, a vendor the spec lacks, or a vendor's nodes of unequal size."""
+    from dataclasses import replace
+
+    from bimetal.plan import cost
+    from bimetal.plan.search import evaluate
+    from bimetal.plan.spec import ClusterSpec, load_spec
+
+    p = cfg.parallel
+    model = next((name for name, m in cost.MODELS.items()
+                  if (m.family, m.flavour) == (cfg.model.family, cfg.model.flavour)), None)
+    if model is None:
+        return None
+    spec = load_spec(p.cluster)
+    groups = []
+    for vendor in dict.fromkeys(v for _, v in world.ranks):
+        per_node: dict[str, int] = {}
+        for host, v in world.ranks:
+            if v == vendor:
+                per_node[host] = per_node.get(host, 0) + 1
+        group = next((g for g in spec.groups if g.vendor == vendor), None)
+        if group is None or len(set(per_node.values())) > 1:
+            return None
+        groups.append(replace(group, count=len(per_node), gpus_per_node=next(iter(per_node.values()))))
+    cut = ClusterSpec(spec.path, tuple(groups))
+    out = {}
+    for pp, dp, tp in fits:
+        split = list(p.layers_per_stage) if "layers_per_stage" in keep else None
+        plan = evaluate(cut, model, cfg.data.seq_len, cfg.global_batch, pp, dp, tp, rows, p.pp_transport, split,
+                        p.dp_shard if "dp_shard" in keep else 1, cfg.activation_checkpoint.mode,
+                        bf16=cfg.training.dtype != "float32", dp_transport=p.dp_transport,
+                        homogeneous=p.homogeneous_backend, boundary=p.pp_boundary_dtype)
+        if plan is None:
+            reasons.append(f"pp={pp} x dp={dp} x tp={tp}: the planner cannot lay it out on {p.cluster}")
+        elif plan.rejected:
+            reasons.append(f"pp={pp} x dp={dp} x tp={tp}: {plan.rejected}")
+        else:
+            out[(pp, dp, tp)] = (plan.tokens_per_s, list(plan.layer_split))
+    return out
+
+
+def _picked(cfg: TrainConfig, world: World, keep: frozenset[str], pp: int, dp: int, tp: int, rows: int,
+            split: list[int] | None = None, why: str = "") -> Pick:
     p, gb = cfg.parallel, cfg.global_batch
-    split = list(p.layers_per_stage) if "layers_per_stage" in keep else []
+    if "layers_per_stage" in keep or split is None:
+        split = list(p.layers_per_stage) if "layers_per_stage" in keep else []
     parallel = dataclasses.replace(p, pp=pp, dp=dp, tp=tp, dp_shard=p.dp_shard if "dp_shard" in keep else 1,
                                    layers_per_stage=split, microbatches=gb // (dp * rows), layout="fixed")
     data = dataclasses.replace(cfg.data, batch_size=gb // dp, global_batch_size=gb)
     picked = dataclasses.replace(cfg, parallel=parallel, data=data)
     shown = picked.stage_split(_model_args(cfg).n_layers)
     vendors = {v for _, v in world.ranks}
-    if pp == 1:
+    if not why and pp == 1:
         why = "one vendor: data parallel only" if len(vendors) == 1 else \
             "data parallel across vendors, as parallel.allow_cross_vendor_dp allows"
-    else:
+    elif not why:
         why = "the fewest pipeline stages whose stages are each one vendor"
     if keep:
         why += f", keeping {', '.join(f'parallel.{k}' for k in sorted(keep))} as written"

@@ -193,6 +193,15 @@ def train(cfg: TrainConfig, keep: frozenset[str] = frozenset()) -> dict[str, Any
     if tok.vocab_size > args.vocab_size:
         raise UserError(f"tokenizer {cfg.data.tokenizer!r} has {tok.vocab_size} tokens but model "
                         f"{cfg.model.family}/{cfg.model.flavour} has only {args.vocab_size}; match them.")
+
+    def check_shapes(cfg: TrainConfig) -> list[int]:
+        """The stage split, and tp against the model: before any process group, or once the layout is picked."""
+        for tp in dict.fromkeys(tp for tp, _, _ in cfg.stage_shapes()):
+            check_tp(args, tp, f"{cfg.model.family}/{cfg.model.flavour}")
+        return cfg.stage_split(args.n_layers)
+
+    auto = cfg.parallel.layout == "auto"
+    split = [] if auto else check_shapes(cfg)
     torch.manual_seed(cfg.training.seed)
     torch.set_num_threads(env.read_int("BIMETAL_THREADS", 1))
     if cfg.training.deterministic:
@@ -201,7 +210,6 @@ def train(cfg: TrainConfig, keep: frozenset[str] = frozenset()) -> dict[str, Any
     # The rank's GPU, bound before any process group exists: NCCL/RCCL and every transport buffer land on it.
     device = bind_rank_device()
     ctx = None
-    auto = cfg.parallel.layout == "auto"
     if auto and int(os.environ.get("WORLD_SIZE", "1")) == 1:  # one process: the world is this rank alone
         from bimetal.plan.auto_layout import World, pick_layout
         from bimetal.topology.vendor import detect_vendor
@@ -227,9 +235,8 @@ def train(cfg: TrainConfig, keep: frozenset[str] = frozenset()) -> dict[str, Any
                                         "homogeneous": cfg.parallel.homogeneous_backend},
                             timeout=timedelta(seconds=cfg.parallel.timeout_s),
                             interfaces=cfg.parallel.interfaces or None)
-    split = cfg.stage_split(args.n_layers)
-    for tp in dict.fromkeys(tp for tp, _, _ in cfg.stage_shapes()):
-        check_tp(args, tp, f"{cfg.model.family}/{cfg.model.flavour}")
+    if auto:  # the picked layout passed these checks in the pick; its split is the one the checkpoints record
+        split = check_shapes(cfg)
     smesh = None
     shards = [sh for _, _, sh in cfg.stage_shapes()]
     try:

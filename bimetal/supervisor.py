@@ -37,6 +37,7 @@ import sys
 import tempfile
 import time
 import traceback
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -176,6 +177,8 @@ class RankSupervisor:
         self.name, self.vendors, self.grace_s, self.output = name, vendors or [], grace_s, output
         self._signal: int | None = None
         self._ranks: list[_Rank] = []
+        # one per launch, as torchrun --standalone's: a run folder's elastic-job.json names this job only
+        self.run_id = f"bimetal-{uuid.uuid4().hex[:12]}"
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self._signal = signum
@@ -225,7 +228,7 @@ class RankSupervisor:
         base = dict(self.env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(self.nproc),
                     LOCAL_WORLD_SIZE=str(self.nproc), GROUP_RANK="0", GROUP_WORLD_SIZE="1", ROLE_NAME="default",
                     ROLE_WORLD_SIZE=str(self.nproc), TORCHELASTIC_RESTART_COUNT=str(attempt),
-                    TORCHELASTIC_MAX_RESTARTS=str(self.max_restarts), TORCHELASTIC_RUN_ID="bimetal",
+                    TORCHELASTIC_MAX_RESTARTS=str(self.max_restarts), TORCHELASTIC_RUN_ID=self.run_id,
                     TORCHELASTIC_USE_AGENT_STORE="True", **{REPORT_ENV: str(folder)})
         self._ranks = []
         # Every rank starts while this process has no other thread: a fork (the ranks themselves, or Popen's

@@ -9,6 +9,7 @@ components of one node and two tasks each; note the job's node list sorted by na
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import subprocess
 import sys
@@ -90,7 +91,7 @@ def test_what_is_not_adopted() -> None:
     batch = {k: v for k, v in FAKE_HET_STEP.items() if k != "SLURM_STEP_ID"}  # the batch script: PROCID 0, no step
     assert adopt(batch) is None and "RANK" not in batch
     torchrun = {**FAKE_HET_STEP, "RANK": "5"}  # torchrun under srun numbers the ranks itself
-    assert adopt(torchrun) is None and torchrun["RANK"] == "5"
+    assert adopt(torchrun) is None and torchrun["RANK"] == "5" and torchrun["BIMETAL_HOST"] == "amd-node"
     single = {**FAKE_HET_STEP, "SLURM_STEP_NUM_TASKS": "1"}  # srun --pty bash: one process, no rendezvous
     assert adopt(single) is None and "RANK" not in single
     preset = {**FAKE_HET_STEP, "MASTER_PORT": "29555", "MASTER_ADDR": "10.0.0.1"}
@@ -221,7 +222,38 @@ def test_simulated_script(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert script[script.index("\nsrun "):].count("--training.steps=3") == 2
 
 
+def test_elastic_script_runs_a_torchrun_agent_per_node(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--elastic MIN``: one task per node, each torchrun ``--nnodes MIN:all`` with its vendor's Python and its
+    node's GPUs, c10d rendezvous on component 0's first node, and ``--no-kill`` so a lost node ends neither the
+    allocation nor the step; the batch step checks the allocation for one agent per node."""
+    spec = _spec(tmp_path, [("nv", "nvidia", "H100", 2, 4), ("amd", "amd", "MI300X", 1, 4)])
+    script = _generate(["--config", str(CONFIGS / "demo.toml"), "--cluster", str(spec), "--partition", "nvidia=a",
+                        "--partition", "amd=b", "--python", "amd=/opt/rocm/py", "--parallel.layout=auto",
+                        "--elastic", "1", "--max-restarts", "2"], capsys)
+    comps = _components(script)
+    assert [(c["nodes"], c["ntasks-per-node"], c["gpus-per-node"]) for c in comps] == [("2", "1", "4"), ("1", "1", "4")]
+    assert script.count("#SBATCH --no-kill\n") == 1 and "--elastic" in script.split("slurm check")[1].splitlines()[0]
+    assert 'RDZV_HOST=$(scontrol show hostnames "${SLURM_JOB_NODELIST_HET_GROUP_0:-$SLURM_JOB_NODELIST}" | head -n 1)' \
+        in script
+    srun = script[script.index("\nsrun "):].split("\n  : ")
+    for part, python, gpus in zip(srun, (sys.executable, "/opt/rocm/py"), (4, 4)):
+        assert f"--no-kill --kill-on-bad-exit=0 --het-group={srun.index(part)} {python} -m torch.distributed.run " \
+               f"--nnodes=1:3 --nproc-per-node={gpus} --rdzv-backend=c10d --max-restarts=2 " \
+               '--rdzv-endpoint="$RDZV_HOST:$RDZV_PORT" --rdzv-id="$SLURM_JOB_ID" -m bimetal.train ' in part, part
+        assert part.rstrip(" \\\n").endswith("--parallel.layout=auto"), part
+    # the batch step's check: one task per node is right for an elastic job, and wrong for the others
+    job = read_job({**FAKE_HET_STEP, "SLURM_TASKS_PER_NODE_HET_GROUP_0": "1", "SLURM_TASKS_PER_NODE_HET_GROUP_1": "1"})
+    assert job is not None
+    check_allocation(TWO, dataclasses.replace(job, task=None), "S", agents=True)
+    with pytest.raises(UserError, match="runs 1 task"):
+        check_allocation(TWO, dataclasses.replace(job, task=None), "S")
+    with pytest.raises(UserError, match="an elastic job runs one torchrun agent per node"):
+        check_allocation(TWO, dataclasses.replace(read_job(FAKE_HET_STEP), task=None), "S", agents=True)  # type: ignore
+
+
 QWEN = ["--config", str(CONFIGS / "qwen2-7b-2x8.toml")]
+ELASTIC = ["--config", str(CONFIGS / "demo.toml"), "--cluster", str(CONFIGS / "clusters" / "h100_mi300x.toml"),
+           "--partition", "nvidia=a", "--partition", "amd=b"]
 
 
 @pytest.mark.parametrize("args,fragment", [
@@ -235,6 +267,13 @@ QWEN = ["--config", str(CONFIGS / "qwen2-7b-2x8.toml")]
     (["--titan", "--partition", "nvidia=a"], "--titan needs --cluster SPEC"),
     (QWEN + ["--titan"], "--config is a `bimetal train` config"),
     (QWEN + ["--partition", "nvidia=a", "--partition", "amd=b", "--master-port", "70000"], "is not a TCP port"),
+    (ELASTIC + ["--elastic", "1"], '--elastic needs parallel.layout = "auto"'),
+    (ELASTIC + ["--elastic", "3", "--parallel.layout=auto"], "--elastic 3 must be from 1 to the 2 node(s)"),
+    (ELASTIC + ["--elastic", "0", "--parallel.layout=auto"], "--elastic 0 must be from 1"),
+    (ELASTIC + ["--max-restarts", "2"], "--max-restarts goes with --elastic"),
+    (ELASTIC + ["--elastic", "1", "--max-restarts", "-1"], "--max-restarts -1 must be zero or more"),
+    (["--titan", "--elastic", "1", "--cluster", str(CONFIGS / "clusters" / "h100_mi300x.toml")],
+     "a --titan job cannot run elastically"),
 ])
 def test_bad_generator_input(args: list[str], fragment: str, capsys: pytest.CaptureFixture[str]) -> None:
     code = bimetal_main(["slurm", *args])

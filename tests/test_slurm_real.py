@@ -4,13 +4,18 @@ partitions ``nvidia`` and ``amd``, private to the test), scripts submitted with 
 Three jobs, the debug model on a simulated 2 x NVIDIA + 2 x AMD cluster (each component's ranks play its vendor
 on CPU): one trains three steps to the end as one hetjob with the cross-vendor pipeline group on a bimetal
 transport; one is cancelled with ``scancel`` while it trains, and no rank process may survive it; one asks for a
-node fewer than the layout needs and is refused in one sentence before any rank starts. Skipped, naming the
-reason, where Slurm cannot run (no packages, not root); never run against a stand-in.
+node fewer than the layout needs and is refused in one sentence before any rank starts; and an elastic job
+(``--elastic 1``, one NVIDIA and one AMD GPU) loses a node mid-run and finishes on the other.
+Skipped, naming the reason, where Slurm cannot run (no packages, not root); never run against a stand-in.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -56,10 +61,11 @@ def slurm() -> Iterator[SlurmCluster]:
         cluster.down()
 
 
-def _script(tmp: Path, *, amd_nodes: int = 1, amd_gpus: int = 2, extra: tuple[str, ...] = ()) -> Path:
+def _script(tmp: Path, *, amd_nodes: int = 1, amd_gpus: int = 2, nv_gpus: int = 2, extra: tuple[str, ...] = ()) \
+        -> Path:
     """``bimetal slurm --simulate`` for demo.toml (pp=2 x dp=2) on 1 x 2 NVIDIA + ``amd_nodes`` x ``amd_gpus`` AMD."""
     spec = tmp / "spec.toml"
-    spec.write_text(SPEC.format(nv="nv", nv_nodes=1, nv_gpus=2, amd_nodes=amd_nodes, amd_gpus=amd_gpus))
+    spec.write_text(SPEC.format(nv="nv", nv_nodes=1, nv_gpus=nv_gpus, amd_nodes=amd_nodes, amd_gpus=amd_gpus))
     out = tmp / "job.sbatch"
     proc = bimetal("slurm", "--config", str(ROOT / "configs" / "demo.toml"), "--cluster", str(spec), "--simulate",
                    "--partition", "nvidia=nvidia", "--partition", "amd=amd", "--master-port", str(free_port()),
@@ -119,3 +125,58 @@ def test_component_short_of_a_node_is_refused_before_any_rank(slurm: SlurmCluste
         "bimetal slurm check: hetjob component 1 (partition amd) has 1 node(s), too few for node group 'amd' "
         f"(2 x 1 amd MI300X) of cluster spec {tmp_path / 'spec.toml'}; ask for --nodes=2 there, or submit the script "
         "`bimetal slurm` writes for this config, or fix the cluster spec."], out
+
+
+def _listener_vendor(port: int) -> str:
+    """The vendor (``BIMETAL_VENDOR``) of the process listening on ``port`` here: the agent hosting the rendezvous."""
+    out = subprocess.run(["ss", "-Hltnp", f"sport = :{port}"], capture_output=True, text=True).stdout
+    for pid in re.findall(r"pid=(\d+)", out):
+        for var in Path("/proc", pid, "environ").read_bytes().split(b"\0"):
+            if var.startswith(b"BIMETAL_VENDOR="):
+                return var.split(b"=", 1)[1].decode()
+    raise AssertionError(f"nothing of the job listens on port {port}: {out!r}")
+
+
+def test_elastic_job_loses_a_node_and_finishes_on_the_other(slurm: SlurmCluster, tmp_path: Path) -> None:
+    """``bimetal slurm --elastic 1``: a torchrun agent per node, one NVIDIA and one AMD GPU; once step 6 is logged
+    the node that does not host the rendezvous loses its agent and rank (SIGKILL). (Which one hosts it is a race
+    here: both slurmd run on this machine, so both agents take the endpoint for their own; on a cluster it is the
+    first node of component 0.) The other agent restarts its rank, which picks pp=1, resumes by itself from the
+    newest checkpoint and trains to step 12; the restart line names the lost node and its island. (The job's exit
+    code is the killed task's: Slurm reports the lost node.)"""
+    script = _script(tmp_path, amd_gpus=1, nv_gpus=1, extra=(
+        "--parallel.layout=auto", "--elastic", "1", "--max-restarts", "1", "--training.steps=12",
+        "--checkpoint.every=4", "--parallel.timeout_s=20"))
+    port = int(re.search(r"MASTER_PORT:-(\d+)", script.read_text()).group(1))  # type: ignore[union-attr]
+    job = slurm.sbatch(script)
+    log = tmp_path / f"bimetal-{job}.out"
+    deadline = time.monotonic() + 150
+    while time.monotonic() < deadline and not (log.exists() and "step     6/12" in log.read_text()):
+        time.sleep(0.2)
+    lost = "amd" if _listener_vendor(port) == "nvidia" else "nvidia"
+    left = {"amd": "nvidia", "nvidia": "amd"}[lost]
+    killed = []
+    for pid in slurm.processes(job):  # that node's torchrun agent and its rank, not Slurm's step daemon
+        try:
+            env = Path("/proc", str(pid), "environ").read_bytes().split(b"\0")
+            cmd = Path("/proc", str(pid), "cmdline").read_bytes()
+        except OSError:
+            continue
+        if f"BIMETAL_VENDOR={lost}".encode() in env and (b"torch.distributed.run" in cmd or b"bimetal.train" in cmd):
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+    assert len(killed) == 2, (killed, log.read_text()[-3000:])
+    slurm.wait_job(job, 200)
+    out = log.read_text()
+    assert f"parallel.layout='auto' on {left}:1 on 1 node: pp=1 x dp=1" in out, out[-4000:]
+    (line,) = [ln for ln in out.splitlines() if ln.startswith("bimetal restart:")]
+    node = slurm.nodes[lost]
+    found = re.fullmatch(rf"bimetal restart: lost node {node} \({lost}, rank [01] of 2\); the whole {lost} island; "
+                         rf"world nvidia:1,amd:1 -> {left}:1 on \S+, layout pp=2 x dp=1 x tp=1 = 2 -> pp=1 x dp=1 x "
+                         r"tp=1 = 1; going on from the checkpoint of step (\d+) \(\S+\), (\d+) steps? redone \(the "
+                         r"job had finished step (\d+)\)\.", line)
+    assert found, line
+    step, redone, done = (int(g) for g in found.groups())
+    assert step in (4, 8) and done >= 6 and redone == done - step, line
+    assert [json.loads(r)["step"] for r in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()] == \
+        list(range(1, 13))

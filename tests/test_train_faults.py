@@ -50,6 +50,9 @@ def test_killed_rank_restarts_and_reaches_the_same_final_loss(tmp_path: Path) ->
     assert hurt.returncode == 0, out[-3000:]
     assert "rank 3 kills itself after step 6" in out
     assert "resumed from" in out and "step-000004 at step 4" in out, out[-3000:]
+    (line,) = [ln for ln in out.splitlines() if ln.startswith("bimetal restart:")]
+    assert ": no node lost: the same 4 ranks on " in line and line.endswith("), 2 steps redone (the job had finished "
+                                                                           "step 6)."), line
     assert _loss_at(tmp_path / "hurt", STEPS) == pytest.approx(_loss_at(tmp_path / "ref", STEPS), rel=1e-5)
     # the replayed steps 5-6 replaced their first records; the summary starts at the run's step 1
     assert _steps_logged(tmp_path / "hurt") == list(range(1, STEPS + 1))

@@ -95,6 +95,17 @@ class NodeResult:
     output: str
 
 
+@dataclass
+class Elastic:
+    """torchrun's elastic launch for a lab job: ``--nnodes MIN:MAX`` (MAX: the lab's nodes), c10d rendezvous on
+    node 0, ``--max-restarts``. The rendezvous timeouts are short (a lab's nodes start within seconds)."""
+
+    min_nodes: int
+    max_restarts: int
+    run_id: str
+    conf: str = "join_timeout=60,last_call_timeout=3,close_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=3"
+
+
 class LabCluster:
     """A lab on this machine. Use as a context manager: ``with LabCluster(spec) as lab: lab.run([...])``."""
 
@@ -223,13 +234,26 @@ class LabCluster:
         env.update(extra or {})
         return env
 
-    def torchrun_argv(self, node: str, rank_argv: Sequence[str], master_port: int = MASTER_PORT) -> list[str]:
-        """The torchrun command line of one node; each rank first joins its CPU cgroup."""
+    def torchrun_argv(self, node: str, rank_argv: Sequence[str], master_port: int = MASTER_PORT,
+                      elastic: Elastic | None = None) -> list[str]:
+        """The torchrun command line of one node; each rank first joins its CPU cgroup.
+
+        ``elastic``: node 0 hosts the c10d rendezvous (``is_host``: every namespace has the same host name, so
+        torchrun cannot tell which node the endpoint is), and each node gives its own address (``--local-addr``),
+        where the ranks of a round reach the store of the node that is rank 0 of its first round.
+        """
         i = self.node_index(node)
         n = self.spec.nodes[i]
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(self.spec.nodes)}",
-               f"--node-rank={i}", f"--nproc-per-node={n.ranks}", f"--master-addr={self.master_addr}",
-               f"--master-port={master_port}", "--max-restarts=0"]
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={n.ranks}"]
+        if elastic is None:
+            cmd += [f"--nnodes={len(self.spec.nodes)}", f"--node-rank={i}", f"--master-addr={self.master_addr}",
+                    f"--master-port={master_port}", "--max-restarts=0"]
+        else:
+            cmd += [f"--nnodes={elastic.min_nodes}:{len(self.spec.nodes)}", "--rdzv-backend=c10d",
+                    f"--rdzv-endpoint={self.master_addr}:{master_port}", f"--rdzv-id={elastic.run_id}",
+                    f"--rdzv-conf={elastic.conf},is_host={'true' if i == 0 else 'false'}",
+                    f"--local-addr={self.address(node)}", f"--max-restarts={elastic.max_restarts}",
+                    "--monitor-interval=0.5"]
         if cgroup.CPU_ROOT.exists():
             base = str(cgroup.cgroup_base(self.spec.lab_id, node))
             return [*cmd, "-m", "bimetal.lab.cgroup", "enter", base, "--", *rank_argv]

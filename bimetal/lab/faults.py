@@ -3,15 +3,19 @@
 Every fault is a plain function on a ``LabCluster`` that takes effect at once, while a job runs:
 take a NIC down or up, change a NIC's rate or latency (netem, else ``bimetal.lab.delay``), add packet
 loss (netem where the kernel has it, else an iptables ``statistic`` rule on the receiving nodes, so a lost
-packet is really lost and TCP retransmits it), or slow a rank by changing its CPU quota.
+packet is really lost and TCP retransmits it), slow a rank by changing its CPU quota, or kill a whole node
+(``kill_node``: every process in its namespace, as a node that loses power).
 ``injected(...)`` applies a fault for the length of a ``with`` block and then undoes it.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
+import subprocess
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import TYPE_CHECKING
 
 from bimetal.lab import cgroup, net
@@ -128,3 +132,14 @@ def injected(apply: Callable[[], None], undo: Callable[[], None]) -> Iterator[No
         yield
     finally:
         undo()
+
+
+def kill_node(lab: LabCluster, node: str) -> list[int]:
+    """The node dies: SIGKILL every process in its network namespace (its torchrun agent and its ranks: torchrun
+    starts each rank in a session of its own, so the agent's process group is not all of them). Returns the pids."""
+    out = subprocess.run(["ip", "netns", "pids", lab.namespace(node)], capture_output=True, text=True).stdout
+    pids = [int(p) for p in out.split()]
+    for pid in pids:
+        with suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return pids

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from bimetal.comm.registry import CPU_FORWARD, DEVICE_DIRECT
 from bimetal.parallel.groups import GroupSpec, create_groups, format_group_table, plan_groups
+from bimetal.parallel.job import JobStore
 from bimetal.parallel.layout import Layout, ParallelDims, plan_layout
 from bimetal.topology import store_exchange
 from bimetal.topology.exchange import exchange_topology
@@ -68,6 +69,9 @@ class ParallelContext:
     """``pg_options`` per back-end for groups made later (the FSDP mesh): the interfaces the user named."""
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     """This rank's device (``local_device.bind_rank_device``), bound before the world was created."""
+    job: JobStore | None = None
+    """The store every round of this torchrun job shares (``bimetal.parallel.job``), where the world was made here
+    under torchrun's agent store."""
 
     @property
     def num_stages(self) -> int:
@@ -138,20 +142,22 @@ def _world_backend(vendor: str) -> str:
     return "cpu:gloo"
 
 
-def _init_world(backend: str, timeout: timedelta) -> None:
-    """``init_process_group`` on a store whose keys are private to this torchrun attempt.
+def _init_world(backend: str, timeout: timedelta) -> JobStore | None:
+    """``init_process_group`` on keys private to this round of the torchrun job; returns the job's store.
 
-    torchrun (2.13, ``--standalone`` and c10d rendezvous) hands a restarted job the same agent store, which
-    still holds the Gloo addresses of the attempt that died; a plain ``init_process_group`` then connects to
-    dead ports and times out. Prefixing the store with the restart count gives every attempt fresh keys.
+    torchrun (2.13, ``--standalone`` and c10d rendezvous) hands every round of a job the same agent store, which
+    still holds the Gloo addresses of the rounds that died; a plain ``init_process_group`` then connects to dead
+    ports and times out. Each round takes a prefix of its own (``JobStore.round_prefix``: not the restart count,
+    which a node joining later does not share).
     """
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if attempt is None or "MASTER_ADDR" not in os.environ:
+    job = JobStore.connect(timeout)
+    if job is None:
         dist.init_process_group(backend=backend, timeout=timeout)
-        return
-    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
-    store = dist.PrefixStore(f"bimetal/attempt_{attempt}", store)
+        return None
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.PrefixStore(job.round_prefix(rank, world, timeout), job.store)
     dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    return job
 
 
 def transport_options(interfaces: Sequence[str] | None) -> dict[str, Any]:
@@ -188,8 +194,7 @@ def init_parallel(
     owns_world = not dist.is_initialized()
     rank = int(os.environ.get("RANK", "0")) if owns_world else dist.get_rank()
     vendor = detect_vendor(rank)
-    if owns_world:
-        _init_world(_world_backend(vendor), timeout)
+    job = _init_world(_world_backend(vendor), timeout) if owns_world else None
     rank, world = dist.get_rank(), dist.get_world_size()
     store = dist.distributed_c10d._get_default_store()
     view = exchange_topology(store, rank, world, timeout, interfaces=interfaces)
@@ -217,7 +222,7 @@ def init_parallel(
     ctx = ParallelContext(
         rank=rank, world_size=world, vendor=vendor, view=view, layout=layout, group_specs=specs,
         groups=groups, stage=stage, dp_rank=dp_rank, tp_rank=tp_rank, owns_world=owns_world, fallbacks=fallbacks,
-        pg_options=pg_options, device=device,
+        pg_options=pg_options, device=device, job=job,
     )
     for axis in ("pp", "dp", "tp"):
         name = ctx.my_group_name(axis)

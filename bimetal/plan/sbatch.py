@@ -7,6 +7,13 @@ over a het step, component 0's tasks first, so stage 0 lands on component 0 with
 across components (torchrun's c10d rendezvous numbers nodes in arrival order). The ranks turn Slurm's variables
 into torchrun's themselves (``bimetal.topology.slurm.adopt``); the batch script checks the allocation against the
 layout once, before ``srun``, so a wrong allocation ends in one sentence with no rank started.
+
+An elastic job (``elastic``: ``bimetal slurm --elastic MIN``, a config of ``parallel.layout = "auto"``) is the
+exception: there srun starts one torchrun agent per node (``--nnodes MIN:MAX``, c10d rendezvous on the first node
+of component 0, ``--max-restarts``), because only torchrun's agent restarts the ranks on the nodes that are left;
+``--no-kill`` keeps the allocation and the step going when a node fails, and ``--kill-on-bad-exit=0`` keeps the
+surviving agents. Ranks are then numbered by the rendezvous, and ``layout = "auto"`` places the stages on the
+world it finds. A node lost does not come back into a Slurm allocation: growing back is the next job.
 """
 
 from __future__ import annotations
@@ -88,6 +95,10 @@ class SbatchJob:
     account: str | None = None
     extra: tuple[str, ...] = field(default_factory=tuple)
     """Further ``#SBATCH`` options for every component."""
+    elastic: int | None = None
+    """The fewest nodes the job goes on with (torchrun per node, ``--nnodes elastic:all``); None: srun tasks."""
+    max_restarts: int = 3
+    """With ``elastic``: torchrun's ``--max-restarts``."""
 
 
 def render(job: SbatchJob) -> str:
@@ -105,6 +116,14 @@ def render(job: SbatchJob) -> str:
               "# SLURM_PROCID, SLURM_LOCALID and SLURM_STEP_NUM_TASKS, and meet at rank 0 on the first node of",
               "# component 0 (MASTER_ADDR); MASTER_PORT is set below, or derived from the job id.",
               "# Submit: sbatch THIS_FILE    Stop every rank: scancel JOBID"]
+    if job.elastic:
+        total = sum(c.island.nodes for c in job.components)
+        lines = lines[:-4] + [
+            f"# Elastic: one torchrun agent per node (--nnodes {job.elastic}:{total}, c10d rendezvous on the first",
+            "# node of component 0, --max-restarts); when nodes fail, the agents left restart the ranks on what is",
+            "# left (at least MIN nodes), which pick their layout and resume from the last complete checkpoint by",
+            "# themselves. --no-kill keeps the allocation when a node fails.",
+            "# Submit: sbatch THIS_FILE    Stop every rank: scancel JOBID"]
     if job.simulate:
         lines.append("# Simulated: each component's ranks play its vendor on CPU (BIMETAL_VENDOR); no GPUs requested.")
     head = [f"--job-name={job.job_name}", f"--chdir={job.chdir}", f"--output={job.output}"]
@@ -112,8 +131,11 @@ def render(job: SbatchJob) -> str:
     for i, c in enumerate(job.components):
         if i:
             lines.append("#SBATCH hetjob")
+        per_node = 1 if job.elastic else c.island.gpus_per_node  # elastic: a task is a node's torchrun agent
         opts = (head if i == 0 else []) + [f"--partition={c.partition}", f"--nodes={c.island.nodes}",
-                                           f"--ntasks-per-node={c.island.gpus_per_node}"]
+                                           f"--ntasks-per-node={per_node}"]
+        if job.elastic and i == 0:
+            opts.append("--no-kill")
         if not job.simulate and c.island.vendor != "cpu":
             opts.append(f"--gpus-per-node={c.island.gpus_per_node}")
         if job.cpus_per_task:
@@ -126,12 +148,26 @@ def render(job: SbatchJob) -> str:
         lines.append(f"export MASTER_PORT=${{MASTER_PORT:-{job.master_port}}}")
     lines += ["# The allocation against the layout, once, before any rank starts (the ranks check again).",
               _join([job.components[0].python, *job.check_args]), ""]
+    if job.elastic:
+        first = "${SLURM_JOB_NODELIST_HET_GROUP_0:-$SLURM_JOB_NODELIST}" if het else "$SLURM_JOB_NODELIST"
+        lines += ["# The rendezvous: the first node of component 0, the port above or one from the job id.",
+                  f'RDZV_HOST=$(scontrol show hostnames "{first}" | head -n 1)',
+                  "RDZV_PORT=${MASTER_PORT:-$((29500 + SLURM_JOB_ID % 10000))}", ""]
     steps = []
     for i, c in enumerate(job.components):
-        opts = ["--kill-on-bad-exit=1"] + [f"--het-group={i}"] * het
+        opts = ["--kill-on-bad-exit=0" if job.elastic else "--kill-on-bad-exit=1"] + [f"--het-group={i}"] * het
         if job.simulate:
             opts.append(f"--export=ALL,BIMETAL_VENDOR={c.island.vendor}")
-        steps.append(_join(opts + [c.python, *job.rank_args]))
+        if job.elastic:
+            total = sum(x.island.nodes for x in job.components)
+            agent = [c.python, "-m", "torch.distributed.run", f"--nnodes={job.elastic}:{total}",
+                     f"--nproc-per-node={c.island.gpus_per_node}", "--rdzv-backend=c10d",
+                     f"--max-restarts={job.max_restarts}"]
+            # the variables stay unquoted: the shell fills them in
+            steps.append(_join(["--no-kill", *opts, *agent]) + ' --rdzv-endpoint="$RDZV_HOST:$RDZV_PORT" '
+                         '--rdzv-id="$SLURM_JOB_ID" ' + _join(job.rank_args))
+        else:
+            steps.append(_join(opts + [c.python, *job.rank_args]))
     lines.append("srun " + " \\\n  : ".join(steps))
     return "\n".join(lines) + "\n"
 

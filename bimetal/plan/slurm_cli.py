@@ -52,6 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--account", help="sbatch --account")
     p.add_argument("--cpus-per-task", type=int, help="sbatch --cpus-per-task of every component")
     p.add_argument("--master-port", type=int, help="rendezvous port on the first node (default: from the job id)")
+    p.add_argument("--elastic", type=int, metavar="MIN_NODES",
+                   help="run elastically: torchrun per node (--nnodes MIN_NODES:all, c10d rendezvous), restarted on "
+                        "the nodes left when some fail; needs parallel.layout = \"auto\"")
+    p.add_argument("--max-restarts", type=int, help="with --elastic: torchrun's --max-restarts (default 3)")
     p.add_argument("--sbatch", action="append", default=[], metavar="OPTION",
                    help="a further #SBATCH option for every component, e.g. --sbatch=--exclusive; repeatable")
     return p
@@ -103,6 +107,14 @@ def main(argv: list[str]) -> int:
         raise UserError(f"--cpus-per-task {a.cpus_per_task} must be at least 1.")
     if a.master_port is not None and not 0 < a.master_port < 65536:
         raise UserError(f"--master-port {a.master_port} is not a TCP port; give one from 1 to 65535.")
+    if a.max_restarts is not None and a.elastic is None:
+        raise UserError("--max-restarts goes with --elastic (a job of srun tasks is not restarted); add --elastic "
+                        "MIN_NODES or drop it.")
+    if a.max_restarts is not None and a.max_restarts < 0:
+        raise UserError(f"--max-restarts {a.max_restarts} must be zero or more.")
+    if a.elastic is not None and a.titan:
+        raise UserError("--elastic restarts `bimetal train` on the nodes left, picking its layout for them; "
+                        "torchtitan's trainer keeps a fixed layout, so a --titan job cannot run elastically.")
     if a.out:
         check_file("--out", a.out)  # before the spec and config are read: the one output, checked first
     cwd = Path.cwd()
@@ -139,6 +151,13 @@ def main(argv: list[str]) -> int:
                             "knows each vendor's nodes and GPUs per node.")
         spec = load_spec(cluster)
         parts = islands(spec)
+        if a.elastic is not None:
+            nodes = sum(i.nodes for i in parts)
+            if cfg.parallel.layout != "auto":
+                raise UserError(f"--elastic needs parallel.layout = \"auto\" (a restart on fewer nodes picks the "
+                                f"layout for them), but {a.config} has a fixed layout; add --parallel.layout=auto.")
+            if not 1 <= a.elastic <= nodes:
+                raise UserError(f"--elastic {a.elastic} must be from 1 to the {nodes} node(s) of {spec.path}.")
         if cfg.parallel.layout == "auto":  # the script places the layout the ranks will pick on these nodes
             from bimetal.plan.auto_layout import World, pick_layout
 
@@ -167,10 +186,11 @@ def main(argv: list[str]) -> int:
     job = SbatchJob(
         job_name=a.job_name or name, components=tuple(comps), rank_args=tuple(rank_args),
         check_args=("-m", "bimetal.cli", "slurm", "check", f"--cluster={Path(spec.path).resolve()}",
-                    f"--groups={group_order}"),
+                    f"--groups={group_order}", *(["--elastic"] if a.elastic is not None else [])),
         chdir=str(cwd), output=a.output, source=spec.path, command=shlex.join(["bimetal", "slurm", *argv]),
         simulate=a.simulate, master_port=a.master_port, cpus_per_task=a.cpus_per_task, time=a.time,
-        account=a.account, extra=tuple(a.sbatch))
+        account=a.account, extra=tuple(a.sbatch), elastic=a.elastic,
+        max_restarts=3 if a.max_restarts is None else a.max_restarts)
     text = render(job)
     if not a.out:
         sys.stdout.write(text)
@@ -193,13 +213,15 @@ def check_main(argv: list[str]) -> int:
     p = ArgumentParser(prog="bimetal slurm check", description=check_main.__doc__)
     p.add_argument("--cluster", required=True, help="cluster spec TOML")
     p.add_argument("--groups", help="node groups in component order (default: the trainer's order)")
+    p.add_argument("--elastic", action="store_true", help="an elastic job: one task (torchrun agent) per node")
     a = p.parse_args(argv)
     job = read_job(os.environ)
     if job is None:
         raise UserError("bimetal slurm check runs inside a Slurm job (no SLURM_JOB_ID here); the script "
                         "`bimetal slurm` writes runs it first.")
     spec = load_spec(a.cluster)
-    check_allocation(islands(spec, a.groups.split(",") if a.groups else None), job, f"cluster spec {a.cluster}")
+    check_allocation(islands(spec, a.groups.split(",") if a.groups else None), job, f"cluster spec {a.cluster}",
+                     agents=a.elastic)
     print(f"bimetal slurm check: job {job.job_id} has the {len(job.components)} component(s) {a.cluster} needs.",
           flush=True)
     return 0

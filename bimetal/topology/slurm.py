@@ -228,12 +228,16 @@ def torchrun_env(job: SlurmJob, env: Mapping[str, str]) -> dict[str, str]:
 
 def adopt(env: MutableMapping[str, str] | None = None) -> SlurmJob | None:
     """In a task of a Slurm step of several tasks, where no launcher set RANK: set the torchrun variables from
-    Slurm's and return the job; otherwise change nothing and return None.
+    Slurm's and return the job; otherwise return None, changing nothing but the host name of a rank that torchrun
+    started in a Slurm step (``BIMETAL_HOST``: the Slurm node, as for a task).
 
     A step of one task (``srun --pty bash``, a one-GPU job) is left alone: one process needs no rendezvous, and a
     ``bimetal train --simulate`` typed inside it must still start its own ranks.
     """
     env = os.environ if env is None else env
+    if "RANK" in env and "SLURM_STEP_ID" in env and env.get("SLURMD_NODENAME") and not env.get(HOST_ENV):
+        # torchrun under srun (``bimetal slurm --elastic``) numbered the ranks; the node is still Slurm's
+        env[HOST_ENV] = env["SLURMD_NODENAME"]
     if "RANK" in env or "SLURM_STEP_ID" not in env or "SLURM_PROCID" not in env:
         return None
     job = read_job(env)
@@ -243,8 +247,10 @@ def adopt(env: MutableMapping[str, str] | None = None) -> SlurmJob | None:
     return job
 
 
-def check_allocation(islands: Sequence[Island], job: SlurmJob, source: str, vendor: str | None = None) -> None:
+def check_allocation(islands: Sequence[Island], job: SlurmJob, source: str, vendor: str | None = None,
+                     agents: bool = False) -> None:
     """Refuse, in one sentence, an allocation that does not have the shape ``islands`` (in component order) need.
+    ``agents``: an elastic job's, one task per node (its torchrun agent) in place of one per GPU.
 
     ``source`` names where the islands come from (the cluster spec). With a task: also the step's task count,
     the GPUs Slurm gave this task's node and, when ``vendor`` is given, the vendor this task found itself on.
@@ -262,7 +268,10 @@ def check_allocation(islands: Sequence[Island], job: SlurmJob, source: str, vend
             raise UserError(f"{where} has {len(comp.nodes)} node(s), {few} for {isl.describe()} of {source}; "
                             f"ask for --nodes={isl.nodes} there, or {fix}.")
         for node, count in zip(comp.nodes, comp.tasks_per_node):
-            if count != isl.gpus_per_node:
+            if agents and count != 1:
+                raise UserError(f"{where} runs {count} task(s) on node {node} but an elastic job runs one torchrun "
+                                f"agent per node; ask for --ntasks-per-node=1, or {fix}.")
+            if not agents and count != isl.gpus_per_node:
                 raise UserError(f"{where} runs {count} task(s) on node {node} but {isl.describe()} of {source} "
                                 f"needs one rank per GPU, {isl.gpus_per_node} per node; ask for "
                                 f"--ntasks-per-node={isl.gpus_per_node}, or {fix}.")

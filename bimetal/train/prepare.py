@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 from bimetal.config import TrainConfig, blame_file, load_config, parse_overrides, parse_value
 from bimetal.env import check_environment, check_needs, unknown_warning
 from bimetal.errors import UserError
-from bimetal.faults import first_attempt
 from bimetal.outputs import check_folder
 from bimetal.supervisor import REPORT_ENV
 from bimetal.topology.vendor import is_simulated, parse_simulate
@@ -157,6 +156,18 @@ def _auto_layout(ns: argparse.Namespace, overrides: list[str], vendors: list[str
     note = (f"bimetal train: no --config; layout chosen from the {len(vendors)} simulated ranks: pp={pp} x dp={dp} "
             f"({'stages of one vendor each' if pp > 1 else 'data parallel only'}; {' '.join(chosen)})")
     return chosen, note
+
+
+def continues_job(cfg: TrainConfig) -> bool:
+    """This rank belongs to a later round of a torchrun job whose earlier round started (``bimetal.parallel.job``):
+    it resumes from the newest checkpoint without ``--resume``. A user's second job, even on the same folders, has
+    a store of its own and is checked as a start; so is every round of a job whose start was refused."""
+    from datetime import timedelta
+
+    from bimetal.parallel.job import JobStore
+
+    job = JobStore.connect(timedelta(seconds=cfg.parallel.timeout_s))
+    return job is not None and job.started(cfg.metrics.run_dir)
 
 
 def checkpoint_folder(cfg: TrainConfig) -> str:
@@ -298,7 +309,7 @@ def _checked(ns: argparse.Namespace, cfg: TrainConfig, vendors: list[str], in_ra
         if cfg.parallel.layout != "auto":  # else the ranks pick the layout for the world they have
             check_world(cfg, int(os.environ.get("WORLD_SIZE", "1")))
         check_outputs(cfg)  # this rank's view of the folders (another node's disks under torchrun)
-        if not cfg.checkpoint.resume and first_attempt():  # a restarted rank resumes by itself
+        if not cfg.checkpoint.resume and not continues_job(cfg):  # a later round of a started job resumes
             from bimetal.train.ckpt_files import check_fresh
 
             check_fresh(checkpoint_folder(cfg), _checkpoint_key(cfg))

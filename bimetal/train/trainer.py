@@ -31,6 +31,7 @@ from bimetal import env, faults
 from bimetal.comm.meter import TransportMeter
 from bimetal.config import TrainConfig
 from bimetal.errors import JobAborted, UserError
+from bimetal.parallel.job import JobStore, World, restart_line
 from bimetal.supervisor import report_step
 from bimetal.topology.local_device import bind_rank_device
 from bimetal.train import checkpoint
@@ -299,6 +300,29 @@ def _reads(meta: dict[str, Any], rank: int, part: str, split: list[int], stage: 
     return reads
 
 
+def _begin_round(job: JobStore, ctx: Any, cfg: TrainConfig, start: int, path: Any) -> None:
+    """Every rank has decided how it starts (so none reads ``STARTED`` set by this round): rank 0 records this
+    round's world in the job's store and, in a later round, logs the one restart line against the round before."""
+    if ctx is not None:
+        dist.barrier()
+    if (ctx.rank if ctx is not None else 0) != 0:
+        return
+    if ctx is not None:
+        ranks = [(ctx.view.host_of(r), ctx.view.vendor_of(r)) for r in range(ctx.world_size)]
+        layout = ctx.layout.dims.describe()
+    else:
+        from bimetal.parallel import ParallelDims
+        from bimetal.topology.exchange import host_identity
+        from bimetal.topology.vendor import detect_vendor
+
+        ranks, layout = [(host_identity(), detect_vendor(0))], ParallelDims.from_config(cfg).describe()
+    before, done = job.previous(cfg.metrics.run_dir)
+    now = World.of(ranks, layout)
+    job.begin(now, cfg.metrics.run_dir)
+    if before is not None:
+        print(restart_line(before, now, done, start, None if path is None else str(path)), flush=True)
+
+
 def _build_stage(cfg: TrainConfig, ctx: Any, models: Any, args: Any, split: list[int], stage: int, n_stages: int,
                  device: torch.device, amp: torch.dtype | None, smesh: Any) -> tuple[Any, StageModule, Any]:
     """This rank's stage, in torchtitan's order: the model part, tensor parallelism, activation checkpointing,
@@ -373,8 +397,10 @@ def _run(cfg: TrainConfig, ctx: Any, smesh: Any, models: Any, args: Any, split: 
     else:
         writer = dp_rank == 0 and (ctx is None or ctx.tp_rank == 0)
     start = 0
-    # A rank restarted by torchrun (--max-restarts) resumes by itself: it loses at most one interval.
-    resume = cfg.checkpoint.resume or not faults.first_attempt()
+    # A later round of a job that started (torchrun restarted it: a rank died, a node left or joined) resumes by
+    # itself: it loses at most the steps since the newest checkpoint. Its job's store says so (``parallel.job``).
+    job = ctx.job if ctx is not None else JobStore.connect(timedelta(seconds=cfg.parallel.timeout_s))
+    resume = cfg.checkpoint.resume or (job is not None and job.started(cfg.metrics.run_dir))
     # Each rank reads its own part, its extra and the meta back against their checksums; all take the newest
     # checkpoint no rank found damaged. Where none is usable among the ones there, every rank stops: starting
     # from step 0 would replace them and pruning delete them.
@@ -416,6 +442,8 @@ def _run(cfg: TrainConfig, ctx: Any, smesh: Any, models: Any, args: Any, split: 
         start = extra["step"]
         if rank == 0:
             print(f"resumed from {path} at step {start}", flush=True)
+    if job is not None:
+        _begin_round(job, ctx, cfg, start, path)
     devices = [ctx.view[r].device for r in range(ctx.world_size)] if ctx else [
         torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"]
     metrics = StepMetrics(cfg.metrics.run_dir, rank, float(args.flops_per_token(seq)), cluster_peak_flops(devices),
@@ -505,6 +533,8 @@ def _run(cfg: TrainConfig, ctx: Any, smesh: Any, models: Any, args: Any, split: 
             if rank == 0:
                 checkpoint.prune(folder, cfg.checkpoint.keep_last)
         report_step(step + 1)  # for the launcher's sentence if this rank dies; no-op outside bimetal's launcher
+        if job is not None and metrics.console is not None:  # the next round's restart line counts what it redoes
+            job.finished(step + 1)
         faults.after_step(rank, step + 1)  # fault injection for the reliability tests; no-op unless configured
     if cfg.checkpoint.export_hf:
         export_model(model, family, args, split, ctx, cfg.checkpoint.export_hf, cfg.checkpoint.export_shard_bytes)

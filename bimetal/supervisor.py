@@ -31,7 +31,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -108,12 +107,46 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec (or t
         ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def _free_port() -> int:
-    """A port free on the loopback now, for the store the launcher opens after its ranks start (they are told the
-    port first). Another process could take it in between: the store then fails to listen, in one sentence."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+def _start_store(port: int) -> tuple[int, int]:
+    """The job's store, as torchrun's agent hosts it (one for every attempt), served by a child process forked now,
+    while the launcher has no other thread; the launcher itself then never has one (the server's thread lives in
+    that child), so the ranks it forks later copy no lock another thread holds. ``port`` 0: any free one.
+    Returns the child's pid and the port; a port it cannot listen on is one sentence."""
+    ready_r, ready_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the store's process: serve until the launcher kills it (or dies: the parent-death signal)
+        code = 0
+        try:
+            os.close(ready_r)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher ends it, after its ranks
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            _die_with_parent()
+            from torch.distributed import TCPStore
+
+            try:
+                store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+                os.write(ready_w, f"ok {store.port}".encode())
+            except RuntimeError as exc:
+                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                os.write(ready_w, f"error {first}".encode()[:4000])
+                os._exit(1)
+            os.close(ready_w)
+            while True:
+                signal.pause()
+        except BaseException:  # noqa: BLE001 - the child must reach os._exit whatever happened
+            code = 1
+        finally:
+            os._exit(code)
+    os.close(ready_w)
+    with os.fdopen(ready_r, "rb") as ready:
+        said = ready.read().decode(errors="replace")  # the child writes once, then closes (or dies: EOF)
+    if said.startswith("ok "):
+        return pid, int(said.split()[1])
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, 0)
+    reason = said[len("error "):] if said.startswith("error ") else "its process ended before it listened"
+    raise UserError(f"the launcher cannot listen on port {port} ({reason}); choose a free --master-port or leave "
+                    "it out.")
 
 
 def error_file_cause(data: dict[str, Any]) -> str:
@@ -188,7 +221,7 @@ class RankSupervisor:
         if self.fork:
             preload(self.cmd[1:])
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-        port = self.port or _free_port()
+        store_pid, port = _start_store(self.port)
         root = Path(tempfile.mkdtemp(prefix="bimetal-launch-"))
         try:
             for attempt in range(self.max_restarts + 1):
@@ -208,20 +241,10 @@ class RankSupervisor:
             self._stop(self._ranks, 0.0)
             for s, handler in old.items():
                 signal.signal(s, handler)
+            with contextlib.suppress(ProcessLookupError, ChildProcessError):
+                os.kill(store_pid, signal.SIGKILL)
+                os.waitpid(store_pid, 0)
             shutil.rmtree(root, ignore_errors=True)
-
-    def _open_store(self, port: int) -> Any:
-        """The store of one attempt (its server runs on a thread of this process), opened once every rank of the
-        attempt has started: the ranks' clients wait for it to listen."""
-        from torch.distributed import TCPStore
-
-        try:
-            return TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
-        except RuntimeError as exc:  # the port was taken after the launcher's check
-            self._stop(self._ranks, 0.0)
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            raise UserError(f"the launcher cannot listen on port {port} ({first}); choose a free --master-port "
-                            "or leave it out.") from None
 
     def _attempt(self, attempt: int, port: int, folder: Path) -> _Outcome:
         folder.mkdir(parents=True)
@@ -233,8 +256,8 @@ class RankSupervisor:
         self._ranks = []
         # Every rank starts while this process has no other thread: a fork (the ranks themselves, or Popen's
         # child before its exec) copies only the forking thread, so a lock another thread held at that moment
-        # (the store's server thread, an output pump) would stay held forever in the child. The store and the
-        # output pumps start after the last rank.
+        # would stay held forever in the child. The store's server runs in a process of its own
+        # (``_start_store``); the output pumps start after the last rank.
         for r in range(self.nproc):
             env = dict(base, RANK=str(r), LOCAL_RANK=str(r), ROLE_RANK=str(r),
                        **{ERROR_FILE_ENV: str(folder / f"rank-{r}.error.json")})
@@ -247,14 +270,10 @@ class RankSupervisor:
                 proc = subprocess.Popen(self.cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent,
                                         **pipes)
             self._ranks.append(_Rank(r, self.vendors[r] if r < len(self.vendors) else "", proc))
-        store = self._open_store(port)
         if self.output is not None:
             for rk in self._ranks:
                 self.output.attach(rk.rank, rk.proc)
-        try:
-            return self._watch(folder, attempt)
-        finally:
-            del store  # its server thread ends with it, before the next attempt's ranks start
+        return self._watch(folder, attempt)
 
     def _watch(self, folder: Path, attempt: int) -> _Outcome:
         """Watch the ranks of an attempt to their end: its outcome."""

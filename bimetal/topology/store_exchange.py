@@ -10,6 +10,7 @@ publisher's rank, so a bad record is refused naming the rank that sent it.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -80,12 +81,25 @@ def poll(store: dist.Store, prefix: str, ranks: Iterable[int], wait: timedelta,
          decode: Callable[[Any, int], T] = _no_decode) -> dict[int, T | None]:  # type: ignore[assignment]
     """Best effort, for diagnostics after a failure: each of ``ranks``' records if it appears within ``wait``
     (the store's own timeout is left as it is), else None, as it is for a record that is not JSON or that
-    ``decode`` refuses (``ValueError``, ``KeyError``, ``TypeError`` or ``UserError``)."""
+    ``decode`` refuses (``ValueError``, ``KeyError``, ``TypeError`` or ``UserError``).
+
+    It asks with ``check`` until the time is up rather than ``wait``: a wait that times out makes torch print two
+    warning lines, and a record that never comes (a dead peer's) is what this is for."""
     out: dict[int, T | None] = {}
-    for r in ranks:
-        try:
-            store.wait([key_of(prefix, r)], wait)
-            out[r] = decode(json.loads(store.get(key_of(prefix, r))), r)
-        except (RuntimeError, dist.DistStoreError, ValueError, KeyError, TypeError, UserError):
-            out[r] = None
+    missing = list(ranks)
+    deadline = time.monotonic() + wait.total_seconds()
+    while True:
+        for r in list(missing):
+            try:
+                if not store.check([key_of(prefix, r)]):
+                    continue
+                out[r] = decode(json.loads(store.get(key_of(prefix, r))), r)
+            except (RuntimeError, dist.DistStoreError, ValueError, KeyError, TypeError, UserError):
+                out[r] = None
+            missing.remove(r)
+        if not missing or time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)
+    for r in missing:
+        out[r] = None
     return out

@@ -101,24 +101,14 @@ def test_named_rdma_devices_must_exist_and_reach_the_engine(tmp_path: Path, monk
 
 def test_mooncake_is_started_on_the_named_devices(monkeypatch: pytest.MonkeyPatch) -> None:
     """The adapter hands the filter to Mooncake's ``initialize`` (its device-name argument) and names GPU memory
-    the way its build does; ``InitRecorder`` stands in for the library (no RDMA device here to start it on)."""
+    the way its build does; ``BindingDouble`` stands in for the library (no RDMA device here to start it on)."""
     from bimetal.comm.device_direct import mooncake
 
-    class InitRecorder:
-        SUPPORT_HIP = True
-        calls: list[tuple[str, ...]] = []
-
-        class TransferEngine:
-            def initialize(self, *args: str) -> int:
-                InitRecorder.calls.append(args)
-                return 0
-
-            def get_rpc_port(self) -> int:
-                return 4242
-
-    monkeypatch.setattr(mooncake, "_import_mooncake", lambda: InitRecorder)
+    binding = dd_doubles.BindingDouble()
+    binding.SUPPORT_HIP = True  # a ROCm build
+    monkeypatch.setattr(mooncake, "_import_mooncake", lambda: binding)
     engine = mooncake.open_engine("10.0.0.1", "rdma", ("mlx5_0", "mlx5_3"))
-    assert InitRecorder.calls == [("10.0.0.1", "P2PHANDSHAKE", "rdma", "mlx5_0,mlx5_3")]
+    assert binding.initialized == [("10.0.0.1", "P2PHANDSHAKE", "rdma", "mlx5_0,mlx5_3")]
     assert engine.gpu_prefix == "hip"
 
 

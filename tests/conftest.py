@@ -113,3 +113,30 @@ SLOW_FILES_FIRST = ("test_demo.py", "test_torchtitan.py", "test_train_parity.py"
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     rank = {name: i for i, name in enumerate(SLOW_FILES_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--cpu-log", metavar="PATH", default=None,
+                     help="append one line per test to PATH: the CPU seconds it cost (this process and the child "
+                          "processes it waited for, setup to teardown), its wall seconds and its id")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    # Wall time says little on a shared 2-core machine; CPU time is what a test costs the suite. Children count
+    # once reaped (a launcher reaps its ranks, so a job's ranks land on the test that ran it).
+    path = item.config.getoption("--cpu-log")
+    if not path:
+        yield
+        return
+    import resource
+    import time
+
+    def cpu() -> float:
+        own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+    cpu0, wall0 = cpu(), time.monotonic()
+    yield
+    with open(path, "a", encoding="utf-8") as log:
+        log.write(f"{cpu() - cpu0:8.2f} {time.monotonic() - wall0:8.2f} {item.nodeid}\n")

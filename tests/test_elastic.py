@@ -17,7 +17,7 @@ import pytest
 import torch.distributed as dist
 from launcher import clean_env
 
-from bimetal.parallel.job import ROUND, JobStore, World, restart_line
+from bimetal.parallel.job import ROUND, Job, World, restart_line
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,7 +53,7 @@ def test_ranks_of_a_round_agree_on_its_keys_past_an_earlier_rounds_token() -> No
 
     def rank(r: int) -> None:
         client = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=20))
-        got[r] = JobStore(client).round_prefix(r, 3, timedelta(seconds=20))
+        got[r] = Job(client).round_prefix(r, 3, timedelta(seconds=20))
 
     late = [threading.Thread(target=rank, args=(r,)) for r in (1, 2)]
     for t in late:

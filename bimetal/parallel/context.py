@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from bimetal.comm.registry import CPU_FORWARD, DEVICE_DIRECT
 from bimetal.parallel.groups import GroupSpec, create_groups, format_group_table, plan_groups
-from bimetal.parallel.job import JobStore
+from bimetal.parallel.job import Job
 from bimetal.parallel.layout import Layout, ParallelDims, plan_layout
 from bimetal.topology import store_exchange
 from bimetal.topology.exchange import exchange_topology
@@ -69,9 +69,9 @@ class ParallelContext:
     """``pg_options`` per back-end for groups made later (the FSDP mesh): the interfaces the user named."""
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     """This rank's device (``local_device.bind_rank_device``), bound before the world was created."""
-    job: JobStore | None = None
-    """The store every round of this torchrun job shares (``bimetal.parallel.job``), where the world was made here
-    under torchrun's agent store."""
+    job: Job | None = None
+    """The agent's job this rank belongs to (``bimetal.parallel.job``), where the world was made here under an
+    agent (torchrun's, or bimetal's launcher)."""
 
     @property
     def num_stages(self) -> int:
@@ -142,18 +142,19 @@ def _world_backend(vendor: str) -> str:
     return "cpu:gloo"
 
 
-def _init_world(backend: str, timeout: timedelta) -> JobStore | None:
-    """``init_process_group`` on keys private to this round of the torchrun job; returns the job's store.
+def _init_world(backend: str, timeout: timedelta) -> Job | None:
+    """``init_process_group`` for this round of the agent's job; returns the job (None outside an agent).
 
-    torchrun (2.13, ``--standalone`` and c10d rendezvous) hands every round of a job the same agent store, which
-    still holds the Gloo addresses of the rounds that died; a plain ``init_process_group`` then connects to dead
-    ports and times out. Each round takes a prefix of its own (``JobStore.round_prefix``: not the restart count,
-    which a node joining later does not share).
+    Where the agent shares its store with the ranks (torch 2.13's default under ``--standalone`` and c10d
+    rendezvous; bimetal's launcher), every round of a job gets the same store, which still holds the Gloo addresses
+    of the rounds that died; a plain ``init_process_group`` then connects to dead ports and times out. Each round
+    takes a prefix of its own there (``Job.round_prefix``: not the restart count, which a node joining later does
+    not share). Where it does not (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``), rank 0 hosts a new store each round.
     """
-    job = JobStore.connect(timeout)
-    if job is None:
+    job = Job.connect(timeout)
+    if job is None or job.store is None:
         dist.init_process_group(backend=backend, timeout=timeout)
-        return None
+        return job
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     store = dist.PrefixStore(job.round_prefix(rank, world, timeout), job.store)
     dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=timeout)

@@ -1,27 +1,29 @@
-"""One job across torchrun's restarts: the store every round of it shares, a key prefix per round, and what one
-round tells the next (the world it had, the last step it finished).
+"""One job across torchrun's restarts: what makes a round "the same job" as the rounds before it, a key prefix per
+round where the agent's store outlives rounds, and what one round tells the next (the world it had, the last step
+it finished).
 
-torchrun's agent hosts one TCPStore for the whole job (``TORCHELASTIC_USE_AGENT_STORE=True``: c10d and static
-rendezvous, and bimetal's own launcher); the ranks of every round reach it at ``MASTER_ADDR:MASTER_PORT``. That
-store is what makes "the same job": it lives exactly as long as the job, and a user's second job, even on the same
-folders, has its own. So a round that finds ``STARTED`` in it continues a job whose earlier round passed the checks
-of a start (a fresh folder, or ``--resume``), and resumes by itself; one that does not find it is a start, checked
-as one, whatever ``TORCHELASTIC_RESTART_COUNT`` says (a start refused in round 0 is refused in every round).
+**The same job.** A later round of a started job resumes by itself (no ``--resume``); a user's second job on the
+same folders is a start and is refused where checkpoints are. What tells them apart must hold with and without the
+agent's store (torchrun shares one with the ranks unless ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, which growing
+back needs: see docs/moving-a-run.md), with and without a process group (a one-rank round has none), and when the
+node that hosted a store is the one lost. It is the agents: torchrun's agent on each node lives as long as the job
+(it restarts its ranks, it is not restarted), and a second job has agents of its own. So the first round that
+starts writes ``elastic-job.json`` into the run folder, naming the agents of its ranks (``agent_id``: the process
+that started the rank, by host, boot, pid and start time), and every later round adds its own; a round one of
+whose ranks' agents the record names continues the job (``Job.continues``, decided once every rank's agent is
+known, before anything is written). A node that returns has a new agent, but joins agents the record names.
+torchrun's ``TORCHELASTIC_RESTART_COUNT`` cannot serve: it stays put on a restart for a node that joins, and a
+node that joins later counts from 0 while the others do not. bimetal's own launcher is such an agent too.
 
-That store lives on the node whose agent was rank 0 of the job's first round (torch 2.13 shares it with the
-workers), which need not be the rendezvous node. Where that node is the one lost, the next round's rank 0 starts a
-new, empty store. So the first round that starts also writes ``elastic-job.json`` into the run folder, naming the
-rendezvous id (``TORCHELASTIC_RUN_ID``: torchrun's ``--rdzv-id``, Slurm's job id in ``bimetal slurm``'s script)
-and its world; a round whose store is new continues the job when that file names its own rendezvous id. torchrun's
-default id ``none`` names no job, so a job started without ``--rdzv-id`` has only its store.
+**Keys per round.** Where the agent's store is shared (torch 2.13's default; bimetal's launcher), the keys a round
+leaves stay in it, so each round needs keys of its own (the world's Gloo addresses of a dead round point at dead
+ports); without it every round has a new store. ``round_prefix``: rank 0 of the round publishes a new token; every
+other rank answers the token it reads with a token of its own and waits for rank 0 to confirm that answer; a rank
+that read the previous round's token (its rank 0 is gone, no confirmation comes) reads again. This is no rendezvous
+- torchrun's agents chose the nodes and ranks - only the name of the round's keys.
 
-The keys a round leaves stay in that store, so each round needs keys of its own (the world's Gloo addresses of a
-dead round point at dead ports). ``TORCHELASTIC_RESTART_COUNT`` cannot name a round: torchrun keeps it on a restart
-for a membership change (a node joining), and a node that joins later counts from 0 while the others do not. So
-``round_prefix``: rank 0 of the round publishes a new token; every other rank answers the token it reads with a
-token of its own and waits for rank 0 to confirm that answer; a rank that read the previous round's token (its rank
-0 is gone, no confirmation comes) reads again. This is no rendezvous - torchrun's agents chose the nodes and ranks
-- only the name of the round's keys.
+**The restart line** needs the world of the round before and the last step the job finished: the record holds the
+world; the step is in the store where it outlives rounds, else the last line of ``metrics.jsonl``.
 """
 
 from __future__ import annotations
@@ -39,12 +41,8 @@ import torch.distributed as dist
 
 from bimetal.errors import JobAborted
 
-STARTED = "bimetal/job/started"
-"""Set by rank 0 once a round passed the checks of a start: later rounds of the job resume by themselves."""
-WORLD = "bimetal/job/world"
-"""The world of the newest round that started (``World`` as JSON), for the next round's restart line."""
 STEP = "bimetal/job/step"
-"""The last step the job finished, in whichever round."""
+"""In a store that outlives rounds: the last step the job finished, in whichever round."""
 ROUND = "bimetal/job/round"
 _RETRY_S = 2.0  # how long a rank waits for rank 0 to confirm the token it read before reading it again
 
@@ -77,77 +75,99 @@ class World:
 
 
 RECORD = "elastic-job.json"
-"""In the run folder: the rendezvous id of the job that started there and the world of its newest round."""
+"""In the run folder: the agents of the job that started there (every round's) and the world of its newest round."""
 
 
-def run_id() -> str | None:
-    """This torchrun job's rendezvous id, or None where it names no job (torchrun's default ``none``)."""
-    rid = os.environ.get("TORCHELASTIC_RUN_ID")
-    return rid if rid and rid != "none" else None
+def agent_id() -> str:
+    """This rank's agent: the process that started it (torchrun's agent on this node, or bimetal's launcher), by
+    host, boot, pid and start time, so that no other process, before or after a reboot, has the same."""
+    import socket
+
+    ppid = os.getppid()
+    try:
+        # /proc/PID/stat: the start time is field 22; the name (field 2, in parentheses) may hold spaces
+        start = Path(f"/proc/{ppid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except (OSError, IndexError):
+        start, boot = "?", "?"
+    return f"{socket.gethostname()}/{boot}/{ppid}/{start}"
 
 
 def read_record(run_dir: str) -> dict[str, Any] | None:
-    """``elastic-job.json`` of ``run_dir`` where it names this job's rendezvous id, else None."""
+    """``elastic-job.json`` of ``run_dir``, or None where there is none (or it is not one)."""
     try:
         record = json.loads((Path(run_dir) / RECORD).read_text())
     except (OSError, ValueError):
         return None
-    rid = run_id()
-    return record if isinstance(record, dict) and rid is not None and record.get("run_id") == rid else None
+    ok = isinstance(record, dict) and isinstance(record.get("agents"), list) and isinstance(record.get("world"), dict)
+    return record if ok else None
 
 
-class JobStore:
-    """The agent's store of this torchrun job, as a client; ``connect`` gives None outside such a job."""
+class Job:
+    """This rank's job under an agent (torchrun's, or bimetal's launcher): ``connect`` gives None outside one.
+    ``store``: the agent's store where the agent shares it with the ranks (it outlives rounds), else None."""
 
-    def __init__(self, store: dist.Store) -> None:
+    def __init__(self, store: dist.Store | None) -> None:
         self.store = store
 
     @staticmethod
-    def connect(timeout: timedelta) -> JobStore | None:
-        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "MASTER_ADDR" not in os.environ:
+    def connect(timeout: timedelta) -> Job | None:
+        if "TORCHELASTIC_RUN_ID" not in os.environ:  # torchrun's agent and bimetal's launcher set it
             return None
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "MASTER_ADDR" not in os.environ:
+            return Job(None)
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                               timeout=timeout)
-        return JobStore(store)
+        return Job(store)
 
-    def _get(self, key: str) -> str | None:
-        return self.store.get(key).decode() if self.store.check([key]) else None
-
-    def started(self, run_dir: str) -> bool:
-        """An earlier round of this job passed the checks of a start (see the module's docstring)."""
-        return self.store.check([STARTED]) or read_record(run_dir) is not None
+    @staticmethod
+    def continues(run_dir: str, agents: list[str]) -> bool:
+        """The one "same job" decision (see the module's docstring): the run folder's record names one of the
+        agents of this round's ranks, ``agents`` (every rank's, in a round with a process group)."""
+        record = read_record(run_dir)
+        return record is not None and bool(set(record["agents"]) & set(agents))
 
     def previous(self, run_dir: str) -> tuple[World | None, int | None]:
         """The world of the newest round that started before this one, and the last step the job finished (from
-        the store; where the store is new, the run folder's record and ``metrics.jsonl``)."""
-        world, step = self._get(WORLD), self._get(STEP)
-        if world is None and (record := read_record(run_dir)) is not None:
-            world, step = json.dumps(record["world"]), str(_last_step(run_dir) or "")
-        return (World(**json.loads(world)) if world else None), (int(step) if step else None)
+        the store where it outlives rounds and holds it, else ``metrics.jsonl``)."""
+        record = read_record(run_dir)
+        if record is None:
+            return None, None
+        step = self.store.get(STEP).decode() if self.store is not None and self.store.check([STEP]) else None
+        done = int(step) if step else _last_step(run_dir)
+        try:
+            return World(**record["world"]), done
+        except TypeError:
+            return None, done
 
-    def begin(self, world: World, run_dir: str) -> None:
-        """Rank 0, once every rank of the round passed its checks: this round has started, with ``world``."""
-        text = json.dumps({"hosts": world.hosts, "layout": world.layout})
-        self.store.set(WORLD, text)
-        self.store.set(STARTED, "1")
-        if run_id() is not None:
-            from bimetal.outputs import write_text
+    def begin(self, world: World, run_dir: str, agents: list[str], continued: bool) -> None:
+        """Rank 0, once every rank of the round passed its checks: this round has started, with ``world`` and the
+        ranks' ``agents`` (added to the earlier rounds' where it ``continued`` the job; a start names its own)."""
+        from bimetal.outputs import write_text
 
-            write_text(Path(run_dir) / RECORD, json.dumps({"run_id": run_id(), "world": json.loads(text)}))
+        old = (read_record(run_dir) or {}).get("agents", []) if continued else []
+        record = {"run_id": os.environ.get("TORCHELASTIC_RUN_ID"), "agents": list(dict.fromkeys([*old, *agents])),
+                  "world": {"hosts": world.hosts, "layout": world.layout}}
+        write_text(Path(run_dir) / RECORD, json.dumps(record))
 
     def finished(self, step: int) -> None:
-        """The job finished ``step`` (said by the rank that logs the steps)."""
-        self.store.set(STEP, str(step))
+        """The job finished ``step`` (said by the rank that logs the steps), where the store outlives rounds."""
+        if self.store is not None:
+            self.store.set(STEP, str(step))
 
     def round_prefix(self, rank: int, world: int, timeout: timedelta) -> str:
-        """The key prefix of this round, the same on every rank of it (see the module's docstring)."""
+        """The key prefix of this round, the same on every rank of it, in the agent's store (see the module's
+        docstring)."""
+        store = self.store
+        if store is None:
+            raise RuntimeError("round_prefix needs the agent's store, which this round does not share")
         deadline = time.monotonic() + timeout.total_seconds()
 
         def wait(key: str, seconds: float, who: str) -> bool:
             # polled with check(): a TCPStore wait() that times out prints C++ warnings, and the previous round's
             # token times out here by design
             end = min(deadline, time.monotonic() + seconds)
-            while not self.store.check([key]):
+            while not store.check([key]):
                 if time.monotonic() >= deadline:
                     raise JobAborted(f"bimetal: rank {rank} waited {timeout.total_seconds():g} s for {who} to join "
                                      "this round of the job; it did not (see its own output).")
@@ -158,17 +178,17 @@ class JobStore:
 
         if rank == 0:
             token = uuid.uuid4().hex
-            self.store.set(ROUND, token)
+            store.set(ROUND, token)
             for r in range(1, world):
                 wait(f"bimetal/round/{token}/ack/{r}", timeout.total_seconds(), f"rank {r}")
-                answer = self.store.get(f"bimetal/round/{token}/ack/{r}").decode()
-                self.store.set(f"bimetal/round/{token}/go/{answer}", "1")
+                answer = store.get(f"bimetal/round/{token}/ack/{r}").decode()
+                store.set(f"bimetal/round/{token}/go/{answer}", "1")
             return f"bimetal/round/{token}"
         mine = uuid.uuid4().hex
         while True:
             wait(ROUND, timeout.total_seconds(), "rank 0")
-            token = self.store.get(ROUND).decode()
-            self.store.set(f"bimetal/round/{token}/ack/{rank}", mine)
+            token = store.get(ROUND).decode()
+            store.set(f"bimetal/round/{token}/ack/{rank}", mine)
             if wait(f"bimetal/round/{token}/go/{mine}", _RETRY_S, "rank 0"):
                 return f"bimetal/round/{token}"
 

@@ -158,16 +158,16 @@ def _auto_layout(ns: argparse.Namespace, overrides: list[str], vendors: list[str
     return chosen, note
 
 
-def continues_job(cfg: TrainConfig) -> bool:
-    """This rank belongs to a later round of a torchrun job whose earlier round started (``bimetal.parallel.job``):
-    it resumes from the newest checkpoint without ``--resume``. A user's second job, even on the same folders, has
-    a store of its own and is checked as a start; so is every round of a job whose start was refused."""
-    from datetime import timedelta
+def check_start(cfg: TrainConfig, continues: bool) -> None:
+    """The start check of a rank under an agent (torchrun's, or bimetal's launcher), made by the trainer once its
+    round's world is formed: a round that neither ``continues`` its job (``Job.continues``, the one "same job"
+    decision, which also makes the round resume) nor says ``--resume`` is a start, refused where checkpoints are.
+    A user's second job on the same folders has agents of its own and is refused in every round; so is every
+    round of a job whose start was refused (it wrote no record)."""
+    if not cfg.checkpoint.resume and not continues:
+        from bimetal.train.ckpt_files import check_fresh
 
-    from bimetal.parallel.job import JobStore
-
-    job = JobStore.connect(timedelta(seconds=cfg.parallel.timeout_s))
-    return job is not None and job.started(cfg.metrics.run_dir)
+        check_fresh(checkpoint_folder(cfg), _checkpoint_key(cfg))
 
 
 def checkpoint_folder(cfg: TrainConfig) -> str:
@@ -309,10 +309,8 @@ def _checked(ns: argparse.Namespace, cfg: TrainConfig, vendors: list[str], in_ra
         if cfg.parallel.layout != "auto":  # else the ranks pick the layout for the world they have
             check_world(cfg, int(os.environ.get("WORLD_SIZE", "1")))
         check_outputs(cfg)  # this rank's view of the folders (another node's disks under torchrun)
-        if not cfg.checkpoint.resume and not continues_job(cfg):  # a later round of a started job resumes
-            from bimetal.train.ckpt_files import check_fresh
-
-            check_fresh(checkpoint_folder(cfg), _checkpoint_key(cfg))
+        # Whether this is a start, refused where checkpoints are, is decided with the round's world (a restarted
+        # round of a started job resumes, and which job it is depends on every rank's agent): check_start.
         return Job(cfg, vendors, note=note)  # rank 0 of a torchrun job says the notes (none under bimetal's launcher)
     check_model(cfg, tokenizer=False)  # the model and its stage split: the config alone
     if vendors:

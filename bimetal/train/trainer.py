@@ -31,7 +31,7 @@ from bimetal import env, faults
 from bimetal.comm.meter import TransportMeter
 from bimetal.config import TrainConfig
 from bimetal.errors import JobAborted, UserError
-from bimetal.parallel.job import JobStore, World, restart_line
+from bimetal.parallel.job import Job, World, agent_id, restart_line
 from bimetal.supervisor import report_step
 from bimetal.topology.local_device import bind_rank_device
 from bimetal.train import checkpoint
@@ -300,9 +300,31 @@ def _reads(meta: dict[str, Any], rank: int, part: str, split: list[int], stage: 
     return reads
 
 
-def _begin_round(job: JobStore, ctx: Any, cfg: TrainConfig, start: int, path: Any) -> None:
-    """Every rank has decided how it starts (so none reads ``STARTED`` set by this round): rank 0 records this
-    round's world in the job's store and, in a later round, logs the one restart line against the round before."""
+def _same_job(cfg: TrainConfig, ctx: Any) -> tuple[Job | None, list[str], bool]:
+    """This rank's job under an agent (None outside one), the agents of every rank of this round, and whether the
+    round continues a job that started (``Job.continues``): the one decision that makes a round resume by itself
+    and that the start check (``prepare.check_start``) keeps. Every rank takes it from the same agents, before
+    anything is written."""
+    timeout = timedelta(seconds=cfg.parallel.timeout_s)
+    job = ctx.job if ctx is not None else Job.connect(timeout)
+    if job is None:
+        return None, [], False
+    if ctx is None:
+        agents = [agent_id()]
+    else:
+        from bimetal.topology import store_exchange
+
+        store = dist.distributed_c10d._get_default_store()
+        agents = store_exchange.exchange(store, "bimetal/job/agent", ctx.rank, agent_id(), range(ctx.world_size),
+                                         timeout)
+    return job, agents, Job.continues(cfg.metrics.run_dir, agents)
+
+
+def _begin_round(job: Job, ctx: Any, cfg: TrainConfig, start: int, path: Any, agents: list[str],
+                 continued: bool) -> None:
+    """Every rank has decided how it starts (so none reads the record this round writes): rank 0 records this
+    round's world and agents in the run folder and, where it ``continued`` the job, logs the one restart line
+    against the round before."""
     if ctx is not None:
         dist.barrier()
     if (ctx.rank if ctx is not None else 0) != 0:
@@ -316,9 +338,9 @@ def _begin_round(job: JobStore, ctx: Any, cfg: TrainConfig, start: int, path: An
         from bimetal.topology.vendor import detect_vendor
 
         ranks, layout = [(host_identity(), detect_vendor(0))], ParallelDims.from_config(cfg).describe()
-    before, done = job.previous(cfg.metrics.run_dir)
+    before, done = job.previous(cfg.metrics.run_dir) if continued else (None, None)
     now = World.of(ranks, layout)
-    job.begin(now, cfg.metrics.run_dir)
+    job.begin(now, cfg.metrics.run_dir, agents, continued)
     if before is not None:
         print(restart_line(before, now, done, start, None if path is None else str(path)), flush=True)
 
@@ -355,6 +377,14 @@ def _run(cfg: TrainConfig, ctx: Any, smesh: Any, models: Any, args: Any, split: 
     rank = ctx.rank if ctx else 0
     amp = _autocast_dtype(cfg, device)
     family = cfg.model.family
+    # A later round of a job that started (its agent restarted it: a rank died, a node left or joined) resumes by
+    # itself: it loses at most the steps since the newest checkpoint. Any other run that is not a --resume is a
+    # start, refused where checkpoints are (``parallel.job``).
+    job, agents, continued = _same_job(cfg, ctx)
+    from bimetal.train.prepare import check_start
+
+    check_start(cfg, continued)
+    resume = cfg.checkpoint.resume or continued
     model, local, mesh = _build_stage(cfg, ctx, models, args, split, stage, n_stages, device, amp, smesh)
     opt = build_optimizer(model, cfg.optim)
     sched = build_scheduler(opt, cfg.optim, cfg.training.steps)
@@ -397,10 +427,6 @@ def _run(cfg: TrainConfig, ctx: Any, smesh: Any, models: Any, args: Any, split: 
     else:
         writer = dp_rank == 0 and (ctx is None or ctx.tp_rank == 0)
     start = 0
-    # A later round of a job that started (torchrun restarted it: a rank died, a node left or joined) resumes by
-    # itself: it loses at most the steps since the newest checkpoint. Its job's store says so (``parallel.job``).
-    job = ctx.job if ctx is not None else JobStore.connect(timedelta(seconds=cfg.parallel.timeout_s))
-    resume = cfg.checkpoint.resume or (job is not None and job.started(cfg.metrics.run_dir))
     # Each rank reads its own part, its extra and the meta back against their checksums; all take the newest
     # checkpoint no rank found damaged. Where none is usable among the ones there, every rank stops: starting
     # from step 0 would replace them and pruning delete them.
@@ -443,7 +469,7 @@ def _run(cfg: TrainConfig, ctx: Any, smesh: Any, models: Any, args: Any, split: 
         if rank == 0:
             print(f"resumed from {path} at step {start}", flush=True)
     if job is not None:
-        _begin_round(job, ctx, cfg, start, path)
+        _begin_round(job, ctx, cfg, start, path, agents, continued)
     devices = [ctx.view[r].device for r in range(ctx.world_size)] if ctx else [
         torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"]
     metrics = StepMetrics(cfg.metrics.run_dir, rank, float(args.flops_per_token(seq)), cluster_peak_flops(devices),

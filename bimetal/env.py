@@ -129,15 +129,18 @@ def _device(name: str, raw: str) -> None:
         raise UserError(f"{name}={raw!r} is not a torch device; use e.g. cpu or cuda:0.") from None
 
 
-def _fields(count: int, shape: str) -> Check:
+def _fields(count: int, shape: str, optional: int = 0) -> Check:
+    """``count`` numbers separated by ':' (then up to ``optional`` more), the first two and the optional ones
+    whole."""
     def check(name: str, raw: str) -> None:
         parts = raw.strip().split(":")
         try:
             values = [float(p) for p in parts]
         except ValueError:
             values = []
-        if len(values) != count or any(v < 0 or not math.isfinite(v) for v in values) or \
-                any(v != int(v) for v in values[:2]):
+        whole = values[:2] + values[count:]
+        if not count <= len(values) <= count + optional or any(v < 0 or not math.isfinite(v) for v in values) or \
+                any(v != int(v) for v in whole):
             raise UserError(f"{name}={raw!r} is not valid; write {shape}.")
     return Check(f"`{shape.replace(', e.g. ', '`, e.g. `')}`", check)
 
@@ -290,8 +293,9 @@ VARIABLES: dict[str, Variable] = {
         "debug", _fields(2, "rank:step, e.g. 1:4"), "unset", "Fault injection: that rank SIGKILLs itself while the "
         "checkpoint of that step is being written (first attempt only)."),
     "BIMETAL_FAULT_STALL": Variable(
-        "debug", _fields(3, "rank:step:seconds, e.g. 3:3:300"), "unset", "Fault injection: that rank sleeps after "
-        "that step (first attempt only)."),
+        "debug", _fields(3, "rank:step:seconds[:attempt], e.g. 3:3:300", optional=1), "unset", "Fault injection: "
+        "that rank sleeps after that step, in that attempt only (`TORCHELASTIC_RESTART_COUNT`; default 0, the "
+        "first)."),
     # tests only: ranks that claim other software versions (bimetal.topology.versions), to test the refusal
     "BIMETAL_TEST_CLAIM_VERSIONS": Variable(
         "debug", Check("`RANK:field=version[,...]`, `;` between ranks (fields `torch`, `bimetal`, `engine`)",

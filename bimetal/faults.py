@@ -5,7 +5,8 @@ for ranks that a launcher starts (and that a restart then runs without it).
   (only in the first attempt: ``TORCHELASTIC_RESTART_COUNT`` is 0), as a crashed GPU or node would.
 * ``BIMETAL_FAULT_KILL_IN_CHECKPOINT="rank:step"``: that rank SIGKILLs itself while the checkpoint of that step
   is being written (its own files written, the checkpoint not yet complete), first attempt only.
-* ``BIMETAL_FAULT_STALL="rank:step:seconds"``: that rank sleeps after the step, as a stalled peer would.
+* ``BIMETAL_FAULT_STALL="rank:step:seconds[:attempt]"``: that rank sleeps after the step, as a stalled peer would,
+  in that attempt only (``TORCHELASTIC_RESTART_COUNT``; default 0, the first).
 
 Transport-level faults wrap the transport (``bimetal.comm.cpu_forward.faults.inject_fault``) and
 link faults live with the lab (``bimetal.lab.faults``). Nothing here runs unless its variable is set.
@@ -31,8 +32,13 @@ def _parse(name: str, parts: int) -> list[float] | None:
     return [float(p) for p in raw.strip().split(":")]
 
 
+def attempt() -> int:
+    """Which attempt of its agent this rank is (torchrun keeps the count on a restart for a node that joins)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
 def first_attempt() -> bool:
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) == 0
+    return attempt() == 0
 
 
 def _die(rank: int, when: str) -> None:
@@ -53,5 +59,5 @@ def after_step(rank: int, step: int) -> None:
     if kill and int(kill[0]) == rank and int(kill[1]) == step and first_attempt():
         _die(rank, f"after step {step}")
     stall = _parse(STALL_ENV, 3)
-    if stall and int(stall[0]) == rank and int(stall[1]) == step and first_attempt():
+    if stall and int(stall[0]) == rank and int(stall[1]) == step and attempt() == int(stall[3] if stall[3:] else 0):
         time.sleep(stall[2])

@@ -1,9 +1,13 @@
-"""Losing an island (issue 40): a two-node job (one NVIDIA and one AMD namespace) under torchrun's elastic launch
-(``--nnodes 1:2``, c10d rendezvous, ``--max-restarts``) with ``parallel.layout = "auto"``. The AMD node dies (its
-agent and its rank SIGKILLed) after step 6; the NVIDIA node's agent restarts its rank on the world that is left,
-which picks a new layout, resumes from the checkpoint of step 4 by itself (the command line has no ``--resume``)
-and finishes. Its losses equal a reference run from that checkpoint on that layout, and the restart line names
-the lost node and island, the checkpoint and the 2 steps redone.
+"""Losing an island and growing back (issue 40): a two-node job (one NVIDIA and one AMD namespace) under torchrun's
+elastic launch (``--nnodes 1:2``, c10d rendezvous, ``--max-restarts``, and ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``,
+without which a returning agent never joins: docs/moving-a-run.md) with ``parallel.layout = "auto"``, that goes
+2 nodes -> 1 -> 2. The AMD node dies (its agent and its rank SIGKILLed) after step 6; the NVIDIA node's agent
+restarts its rank on the world that is left, which picks a new layout and resumes from the checkpoint of step 4
+by itself (the command line has no ``--resume``). Once it has written the checkpoint of step 8 (and waits there),
+the AMD node's torchrun is started again, the same command: the next round takes it in, picks the two-node layout
+again and resumes from that checkpoint, and the job finishes on both. The losses of each round equal a reference
+run resumed by hand from its checkpoint on its layout, and each restart line names the lost or returned node, the
+layouts, the checkpoint and the steps redone.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from bimetal.lab import faults
 from bimetal.lab.cluster import Elastic
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = 8
+STEPS = 12
 ARGS = ["--config", str(ROOT / "configs" / "demo.toml"), "--parallel.layout=auto", f"--training.steps={STEPS}",
         "--data.seq_len=32", "--checkpoint.every=4", "--metrics.log_every=1", "--parallel.timeout_s=20",
         "--training.dtype=float32"]
@@ -45,47 +49,82 @@ def _wait_for(log: Path, text: str, procs: list[subprocess.Popen[Any]], seconds:
                          + log.read_text(errors="replace")[-3000:])
 
 
+def _wait_until(path: Path, proc: subprocess.Popen[Any], log: Path, seconds: float) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end and proc.poll() is None:
+        if path.exists():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"{path} did not appear within {seconds:g} s:\n" + log.read_text(errors="replace")[-3000:])
+
+
 @pytest.mark.lab
-@pytest.mark.timeout(240)
-def test_losing_the_amd_island_goes_on_on_nvidia_from_the_last_checkpoint(make_lab: Any, tmp_path: Path) -> None:
+@pytest.mark.timeout(300)
+def test_losing_the_amd_island_goes_on_on_nvidia_and_grows_back_when_it_returns(make_lab: Any, tmp_path: Path) -> None:
     lab = make_lab(nics=1, rate_mbit=1000)
     run = tmp_path / "run"
     elastic = Elastic(min_nodes=1, max_restarts=1, run_id=lab.spec.lab_id)
     rank_argv = ["-m", "bimetal.train", *ARGS, f"--metrics.run_dir={run}"]
-    logs = {n: tmp_path / f"{n}.log" for n in ("nv", "amd")}
+    # every agent makes a store per round: a returning agent finds the round's store address (docs/moving-a-run.md)
+    share = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    # the AMD rank stalls after step 6 (it has logged it): the node dies there, not a step later. The NVIDIA rank
+    # of the round on its own (its agent's attempt 1) waits after the checkpoint of step 8, until the AMD node is back
+    stall = {"nv": "0:8:120:1", "amd": "1:6:120"}
+    logs = {n: tmp_path / f"{n}.log" for n in ("nv", "amd", "amd-back")}
     procs: dict[str, subprocess.Popen[Any]] = {}
+
+    def start(node: str, log: str, extra: dict[str, str]) -> None:
+        with open(logs[log], "w") as out:
+            procs[log] = lab.popen(node, lab.torchrun_argv(node, rank_argv, 29431, elastic),
+                                   env=lab.node_env(node, {**share, **extra}), stdout=out, stderr=subprocess.STDOUT,
+                                   cwd=ROOT)
+
     try:
         for node in ("nv", "amd"):  # nv sorts first by address: rank 0, stage 0; amd rank 1, the last stage
-            # the AMD rank stalls after step 6 (it has logged it): the node dies there, not a step later
-            extra = {"BIMETAL_FAULT_STALL": "1:6:120"} if node == "amd" else {}
-            with open(logs[node], "w") as out:
-                procs[node] = lab.popen(node, lab.torchrun_argv(node, rank_argv, 29431, elastic),
-                                        env=lab.node_env(node, extra), stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+            start(node, node, {"BIMETAL_FAULT_STALL": stall[node]})
         _wait_for(logs["amd"], f"step     6/{STEPS}", list(procs.values()), 120)
         assert (run / "checkpoints" / "step-000004" / "COMPLETE").exists()
         assert faults.kill_node(lab, "amd")
+        _wait_for(logs["nv"], "bimetal restart: lost node amd", [procs["nv"]], 90)
+        _wait_until(run / "checkpoints" / "step-000008" / "COMPLETE", procs["nv"], logs["nv"], 90)
+        start("amd", "amd-back", {})  # the same command, as a node that was repaired would run it
         assert procs["nv"].wait(timeout=150) == 0, logs["nv"].read_text(errors="replace")[-4000:]
+        assert procs["amd-back"].wait(timeout=30) == 0, logs["amd-back"].read_text(errors="replace")[-4000:]
     finally:
         for node in ("nv", "amd"):
             faults.kill_node(lab, node)
-            if node in procs:
-                procs[node].wait(timeout=10)
+        for proc in procs.values():
+            proc.wait(timeout=10)
     nv = logs["nv"].read_text(errors="replace")
-    assert "parallel.layout='auto' on nvidia:1,amd:1 on 2 nodes: pp=2 x dp=1" in nv, nv[-4000:]
-    assert "parallel.layout='auto' on nvidia:1 on 1 node: pp=1 x dp=1" in nv, nv[-4000:]
-    (line,) = [ln for ln in nv.splitlines() if ln.startswith("bimetal restart:")]
-    assert line == ("bimetal restart: lost node amd (amd, rank 1 of 2); the whole amd island; world nvidia:1,amd:1 -> "
+    picks = [ln for ln in nv.splitlines() if "parallel.layout='auto' on" in ln]
+    assert len(picks) == 3, nv[-4000:]
+    assert "parallel.layout='auto' on nvidia:1,amd:1 on 2 nodes: pp=2 x dp=1" in picks[0], picks
+    assert "parallel.layout='auto' on nvidia:1 on 1 node: pp=1 x dp=1" in picks[1], picks
+    assert "parallel.layout='auto' on nvidia:1,amd:1 on 2 nodes: pp=2 x dp=1" in picks[2], picks
+    lost, back = [ln for ln in nv.splitlines() if ln.startswith("bimetal restart:")]
+    assert lost == ("bimetal restart: lost node amd (amd, rank 1 of 2); the whole amd island; world nvidia:1,amd:1 -> "
                     "nvidia:1 on nv, layout pp=2 x dp=1 x tp=1 = 2 -> pp=1 x dp=1 x tp=1 = 1; going on from the "
                     f"checkpoint of step 4 ({run / 'checkpoints' / 'step-000004'}), 2 steps redone (the job had "
-                    "finished step 6)."), line
+                    "finished step 6)."), lost
+    assert back == ("bimetal restart: joined node amd (amd, now rank 1); world nvidia:1 -> nvidia:1,amd:1 on nv, amd, "
+                    "layout pp=1 x dp=1 x tp=1 = 1 -> pp=2 x dp=1 x tp=1 = 2; going on from the checkpoint of step 8 "
+                    f"({run / 'checkpoints' / 'step-000008'}), 0 steps redone (the job had finished step 8)."), back
+    # the returned node ran the last stage to the end: it logs the job's steps (the last stage's first replica)
+    assert f"step    {STEPS}/{STEPS}" in logs["amd-back"].read_text(errors="replace"), logs["amd-back"].read_text()
 
-    # The reference: that checkpoint, resumed on the layout the restart picked (one NVIDIA rank), by hand.
-    ref = tmp_path / "ref"
-    shutil.copytree(run / "checkpoints" / "step-000004", ref / "checkpoints" / "step-000004")
-    done = bimetal("train", *ARGS, f"--metrics.run_dir={ref}", "--simulate", "nvidia:1", "--resume",
-                   env=clean_env(), timeout=120)
-    assert done.returncode == 0, done.stderr[-3000:]
-    got, want = _losses(run), _losses(ref)
-    assert sorted(got) == list(range(1, STEPS + 1)) and sorted(want) == list(range(5, STEPS + 1)), (got, want)
-    for step in range(5, STEPS + 1):
-        assert got[step] == pytest.approx(want[step], rel=1e-5), (step, got, want)
+    # The references: each round's checkpoint, resumed by hand on the layout that round picked.
+    got = _losses(run)
+    assert sorted(got) == list(range(1, STEPS + 1)), got
+    for step, simulate, steps in ((4, "nvidia:1", range(5, 9)), (8, "nvidia:1,amd:1", range(9, STEPS + 1))):
+        ref = tmp_path / f"ref{step}"
+        name = f"step-{step:06d}"
+        shutil.copytree(run / "checkpoints" / name, ref / "checkpoints" / name)
+        done = bimetal("train", *ARGS, f"--metrics.run_dir={ref}", "--simulate", simulate, "--resume",
+                       env=clean_env(), timeout=120)
+        assert done.returncode == 0, done.stderr[-3000:]
+        layout = "pp=1 x dp=1" if simulate == "nvidia:1" else "pp=2 x dp=1"
+        assert f"parallel.layout='auto' on {simulate} on 1 node: {layout}" in done.stdout, done.stdout[-3000:]
+        want = _losses(ref)
+        assert sorted(want) == list(range(step + 1, STEPS + 1)), want
+        for s in steps:
+            assert got[s] == pytest.approx(want[s], rel=1e-5), (s, got, want)

@@ -257,3 +257,8 @@ def test_every_bimetal_variable_the_code_reads_is_checked_before_launch() -> Non
             check_environment({name: bad})
     assert check_environment({"BIMETAL_CF_STRIPES": "2", "BIMETAL_DD_SLOTS": "8", "BIMETAL_FAULT_STALL": "3:3:300",
                               "BIMETAL_CF_STRIPE": "2", "BIMETAL_DD_HOST": "10.0.0.1"}) == ["BIMETAL_CF_STRIPE"]
+    # the stall's attempt is optional and whole; no field after it
+    assert check_environment({"BIMETAL_FAULT_STALL": "0:8:120:1"}) == []
+    for bad in ("0:8:120:1.5", "0:8:120:1:2"):
+        with pytest.raises(UserError, match="BIMETAL_FAULT_STALL"):
+            check_environment({"BIMETAL_FAULT_STALL": bad})

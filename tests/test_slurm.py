@@ -232,6 +232,7 @@ def test_elastic_script_runs_a_torchrun_agent_per_node(tmp_path: Path, capsys: p
                         "--elastic", "1", "--max-restarts", "2"], capsys)
     comps = _components(script)
     assert [(c["nodes"], c["ntasks-per-node"], c["gpus-per-node"]) for c in comps] == [("2", "1", "4"), ("1", "1", "4")]
+    assert script.count("\nexport TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1\n") == 1  # a returning agent can join
     assert script.count("#SBATCH --no-kill\n") == 1 and "--elastic" in script.split("slurm check")[1].splitlines()[0]
     assert 'RDZV_HOST=$(scontrol show hostnames "${SLURM_JOB_NODELIST_HET_GROUP_0:-$SLURM_JOB_NODELIST}" | head -n 1)' \
         in script

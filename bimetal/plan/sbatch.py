@@ -152,7 +152,10 @@ def render(job: SbatchJob) -> str:
         first = "${SLURM_JOB_NODELIST_HET_GROUP_0:-$SLURM_JOB_NODELIST}" if het else "$SLURM_JOB_NODELIST"
         lines += ["# The rendezvous: the first node of component 0, the port above or one from the job id.",
                   f'RDZV_HOST=$(scontrol show hostnames "{first}" | head -n 1)',
-                  "RDZV_PORT=${MASTER_PORT:-$((29500 + SLURM_JOB_ID % 10000))}", ""]
+                  "RDZV_PORT=${MASTER_PORT:-$((29500 + SLURM_JOB_ID % 10000))}",
+                  "# A store per round: with torch's default, the first round's store shared, an agent that joins a",
+                  "# running job waits for its address forever (growing back, docs/moving-a-run.md).",
+                  "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", ""]
     steps = []
     for i, c in enumerate(job.components):
         opts = ["--kill-on-bad-exit=0" if job.elastic else "--kill-on-bad-exit=1"] + [f"--het-group={i}"] * het

@@ -542,6 +542,8 @@ def uniform_beside_per_stage(cfg: TrainConfig, file_keys: set[str], cli_keys: se
 
 AUTO_KEEPS = ("pp", "dp", "tp", "dp_shard", "layers_per_stage")
 """``parallel`` keys a pick of ``parallel.layout = "auto"`` keeps where they are written beside it."""
+AUTO_AC = "activation_checkpoint.mode"
+"""Kept by the pick wherever it is written (the file or the command line): the planner's pick searches it otherwise."""
 PER_STAGE = (("parallel", "tp_per_stage"), ("parallel", "dp_per_stage"), ("parallel", "dp_shard_per_stage"),
              ("activation_checkpoint", "mode_per_stage"))
 """Keys of a per-stage layout, which ``auto`` (a uniform layout) cannot keep."""
@@ -552,11 +554,11 @@ def auto_layout(cfg: TrainConfig, file_keys: set[str], cli_keys: set[str], file:
     """A config of ``parallel.layout = "auto"`` made ready for the pick, and the layout keys the pick keeps.
 
     Kept: each of ``AUTO_KEEPS`` written where ``auto`` is, or on the command line over the file's ``auto``
-    (``layers_per_stage`` keeps ``pp`` too). A layout key of the file under ``auto`` given on the command line is
-    replaced (CLI > file): said in ``notes``. A per-stage key where ``auto`` is refused (``UserError``). The
-    global batch and the rows per microbatch the config gives are what the pick keeps: the result holds them as
-    ``data.global_batch_size`` and, for the kept (else one) replica, ``data.batch_size`` and
-    ``parallel.microbatches``; its other layout keys are at their defaults until the pick.
+    (``layers_per_stage`` keeps ``pp`` too), and ``AUTO_AC`` wherever it is written. A layout key of the file
+    under ``auto`` given on the command line is replaced (CLI > file): said in ``notes``. A per-stage key where
+    ``auto`` is refused (``UserError``). The global batch and the rows per microbatch the config gives are what the
+    pick keeps: the result holds them as ``data.global_batch_size`` and, for the kept (else one) replica,
+    ``data.batch_size`` and ``parallel.microbatches``; its other layout keys are at their defaults until the pick.
     """
     level = 2 if "parallel.layout" in cli_keys else 1
 
@@ -568,6 +570,8 @@ def auto_layout(cfg: TrainConfig, file_keys: set[str], cli_keys: set[str], file:
     replaced += [f"parallel.{k}" for k in AUTO_KEEPS if k not in keep and written(f"parallel.{k}")]
     if "layers_per_stage" in keep and cfg.parallel.layers_per_stage:
         keep.add("pp")
+    if written(AUTO_AC):  # not a layout key: the pick with a cluster spec searches it only where nobody wrote it
+        keep.add(AUTO_AC)
     if replaced:
         notes.append(f"parallel.layout='auto' (the command line) replaces {', '.join(replaced)} of {file}; the "
                      "layout is picked when the job starts")

@@ -198,18 +198,49 @@ def test_the_slurm_script_places_the_stages_of_the_pick(capsys, monkeypatch) -> 
 
 
 def test_with_a_cluster_spec_the_planner_prices_the_layouts_that_fit_and_refuses_what_overflows_memory() -> None:
-    """llama3-8b on configs/clusters/h100_mi300x.toml: the planner's fastest layout and its balanced split; the same
-    spec cut to the world the ranks found (the AMD node gone); a world whose every layout overflows the H100."""
+    """llama3-8b on configs/clusters/h100_mi300x.toml: the planner's fastest layout, with its balanced split and the
+    fastest of the FSDP degrees ``bimetal plan`` tries (faster than the same layout unsharded, as the planner
+    prices both); the same spec cut to the world the ranks found (the AMD node gone); a world whose every layout
+    overflows the H100 with every FSDP degree and recomputation mode."""
+    from bimetal.plan.search import evaluate
+    from bimetal.plan.spec import load_spec
+
     cfg, keep, _ = _cfg(f"--parallel.cluster={SPEC}", "--model.flavour=llama3-8b", "--data.seq_len=4096",
                         "--data.global_batch_size=64", "--data.batch_size=64", "--parallel.microbatches=64",
                         config=None)
     full = pick_layout(cfg, World.from_spec(str(SPEC)), keep)
     p = full.cfg.parallel
-    assert (p.pp, p.dp, p.tp, p.layers_per_stage, p.microbatches) == (2, 4, 2, [17, 15], 16), full.line
-    assert "(the fastest of 8 that fit, " in full.line and f"tokens/s as the planner predicts on {SPEC})" in full.line
+    assert (p.pp, p.dp, p.tp, p.dp_shard, p.layers_per_stage, p.microbatches) == (2, 4, 2, 4, [17, 15], 16), full.line
+    assert full.cfg.activation_checkpoint.mode == "none" and "x dp_shard=4, layers per stage" in full.line
+    assert "(the fastest of 10 that fit, " in full.line and f"tokens/s as the planner predicts on {SPEC})" in full.line
+    spec = load_spec(str(SPEC))
+    priced = [evaluate(spec, "llama3-8b", 4096, 64, 2, 4, 2, 1, p.pp_transport, [17, 15], shard, "none",
+                       dp_transport=p.dp_transport) for shard in (1, 4)]
+    assert priced[0] is not None and priced[1] is not None and priced[1].tokens_per_s > priced[0].tokens_per_s
+    assert f"{priced[1].tokens_per_s:,.0f} tokens/s" in full.line
     alone = pick_layout(cfg, _world("nvidia:8"), keep)  # the spec's H100 group, one node of the world's 8 ranks
-    assert (alone.cfg.parallel.pp, alone.cfg.parallel.dp, alone.cfg.parallel.tp) == (2, 2, 2), alone.line
-    assert "the fastest of 6 that fit" in alone.line
+    q = alone.cfg.parallel
+    assert (q.pp, q.dp, q.tp, q.dp_shard) == (1, 4, 2, 4), alone.line
+    assert "the fastest of 10 that fit" in alone.line
     with pytest.raises(UserError, match=r"nvidia:2 on 1 node \(2 ranks\): pp=1 x dp=2 x tp=1: stage 0 needs "
-                                        r"[0-9.]+ GB per GPU, over 90% of the 80 GB"):
+                                        r"[0-9.]+ GB per GPU, over 90% of the 80 GB of a H100/H100, with every FSDP "
+                                        r"degree and activation checkpointing mode tried; "):
         pick_layout(cfg, _world("nvidia:2"), keep)
+
+
+def test_with_a_cluster_spec_the_pick_recomputes_where_memory_needs_it_unless_the_mode_is_written() -> None:
+    """dp kept at 1 on four H100s: only full recomputation fits (the pick says so in its line); the same run with
+    ``activation_checkpoint.mode = "none"`` written keeps it, and then nothing fits (one sentence naming the kept
+    mode, and no "every mode tried")."""
+    base = (f"--parallel.cluster={SPEC}", "--model.flavour=llama3-8b", "--data.seq_len=4096",
+            "--data.global_batch_size=64", "--data.batch_size=64", "--parallel.microbatches=16", "--parallel.dp=1")
+    cfg, keep, _ = _cfg(*base, config=None)
+    assert keep == frozenset({"dp"})
+    pick = pick_layout(cfg, _world("nvidia:4"), keep)
+    assert (pick.cfg.parallel.tp, pick.cfg.activation_checkpoint.mode) == (4, "full"), pick.line
+    assert "x tp=4, activation checkpointing full, layers per stage [32]" in pick.line
+    cfg, keep, _ = _cfg(*base, "--activation_checkpoint.mode=none", config=None)
+    assert keep == frozenset({"dp", "activation_checkpoint.mode"})
+    with pytest.raises(UserError, match=r"keeping activation_checkpoint.mode=none, parallel.dp=1: pp=4 x dp=1 x "
+                                        r"tp=1: stage 0 needs [0-9.]+ GB per GPU, over 90% of the 80 GB of a H100; "):
+        pick_layout(cfg, _world("nvidia:4"), keep)

@@ -15,8 +15,12 @@ vendor unless ``parallel.allow_cross_vendor_dp``, tp inside a node and a vendor)
 tp dividing its heads and widths) and the kept keys is taken: the most data parallelism, so the fewest pipeline
 bubbles and the least tensor-parallel traffic, with cross-vendor traffic left on the pipeline axis. With
 ``parallel.cluster`` the planner (``bimetal.plan.search.evaluate``) prices every layout that fits on the spec's node
-groups cut to the world, refuses those over the device memory, and the fastest is taken with its balanced split.
-Without a spec no device numbers are guessed.
+groups cut to the world, each with the FSDP degrees ``bimetal plan`` tries (``search.shard_degrees``: none, the
+whole dp group, one node's worth; unless ``parallel.dp_shard`` is kept) and its activation checkpointing modes
+(unless ``activation_checkpoint.mode`` is written), refuses those over the device memory, and the fastest is
+taken with its balanced split, shard degree and mode: neither changes the trajectory. Per-stage shapes (a tp, dp
+or mode per stage) are not searched here: ``bimetal plan --shapes`` does, for a fixed layout to write down.
+Without a spec no device numbers are guessed, and nothing is sharded or recomputed that the config did not say.
 """
 
 from __future__ import annotations
@@ -90,7 +94,7 @@ class Pick:
         """The picked values (what ranks compare)."""
         p, d = self.cfg.parallel, self.cfg.data
         return {"pp": p.pp, "dp": p.dp, "tp": p.tp, "dp_shard": p.dp_shard, "layers_per_stage": p.layers_per_stage,
-                "microbatches": p.microbatches, "batch_size": d.batch_size}
+                "microbatches": p.microbatches, "batch_size": d.batch_size, "ac": self.cfg.activation_checkpoint.mode}
 
 
 def _divisors(n: int) -> list[int]:
@@ -154,29 +158,42 @@ def pick_layout(cfg: TrainConfig, world: World, keep: frozenset[str] = frozenset
     if priced is not None:
         fits = [f for f in fits if f in priced]
     if not fits:
-        kept = ", ".join(f"parallel.{k}={getattr(p, k)}" for k in sorted(keep))
+        kept = ", ".join(f"{_dotted(k)}={_kept_value(cfg, k)}" for k in sorted(keep))
         first = reasons[0] if reasons else f"no pp x dp x tp with {kept} makes {n} ranks"
         raise UserError(f"parallel.layout='auto' finds no layout for {world.describe()} ({n} ranks)"
                         f"{' keeping ' + kept if kept else ''}: {first}; change the kept keys or the world.")
     if priced is None:
         return _picked(cfg, world, keep, *fits[0], rows)
-    best = max(fits, key=lambda f: priced[f][0])  # the first of equals: the candidates' order breaks ties
-    tokens, split = priced[best]
-    why = (f"the fastest of {len(fits)} that fit, {tokens:,.0f} tokens/s as the planner predicts on "
+    best = max(fits, key=lambda f: priced[f].tokens)  # the first of equals: the candidates' order breaks ties
+    price = priced[best]
+    why = (f"the fastest of {len(fits)} that fit, {price.tokens:,.0f} tokens/s as the planner predicts on "
            f"{p.cluster}")
-    return _picked(cfg, world, keep, *best, rows, split=split, why=why)
+    return _picked(cfg, world, keep, *best, rows, split=price.split, why=why, shard=price.shard, ac=price.ac)
+
+
+@dataclass(frozen=True)
+class _Price:
+    """The planner's best variant of one (pp, dp, tp): its tokens/s, stage split, FSDP degree and AC mode."""
+
+    tokens: float
+    split: list[int]
+    shard: int
+    ac: str
 
 
 def _pricing(cfg: TrainConfig, world: World, keep: frozenset[str], rows: int, fits: list[tuple[int, int, int]],
-             reasons: list[str]) -> dict[tuple[int, int, int], tuple[float, list[int]]] | None:
-    """The planner's prediction (tokens/s, and its balanced stage split unless one is kept) of each layout that
-    fits, on the node groups of ``parallel.cluster`` cut to the world (per vendor: its first group there, with the
-    world's nodes and ranks per node); a layout over the device memory joins ``reasons``. None where the planner
-    cannot price: a model it does not know, a vendor the spec lacks, or a vendor's nodes of unequal size."""
+             reasons: list[str]) -> dict[tuple[int, int, int], _Price] | None:
+    """The planner's prediction of each layout that fits, at its fastest FSDP degree and activation checkpointing
+    mode among those not kept (with its balanced stage split unless one is kept), on the node groups of
+    ``parallel.cluster`` cut to the world (per vendor: its first group there, with the world's nodes and ranks per
+    node); a layout over the device memory in every variant joins ``reasons`` (its least hungry variant's reason).
+    None where the planner cannot price: a model it does not know, a vendor the spec lacks, or a vendor's nodes of
+    unequal size."""
     from dataclasses import replace
 
+    from bimetal.config import AUTO_AC
     from bimetal.plan import cost
-    from bimetal.plan.search import evaluate
+    from bimetal.plan.search import AC_MODES, evaluate, shard_degrees
     from bimetal.plan.spec import ClusterSpec, load_spec
 
     p = cfg.parallel
@@ -196,31 +213,64 @@ def _pricing(cfg: TrainConfig, world: World, keep: frozenset[str], rows: int, fi
             return None
         groups.append(replace(group, count=len(per_node), gpus_per_node=next(iter(per_node.values()))))
     cut = ClusterSpec(spec.path, tuple(groups))
+    modes = [cfg.activation_checkpoint.mode] if AUTO_AC in keep else list(AC_MODES)
     out = {}
     for pp, dp, tp in fits:
         split = list(p.layers_per_stage) if "layers_per_stage" in keep else None
-        plan = evaluate(cut, model, cfg.data.seq_len, cfg.global_batch, pp, dp, tp, rows, p.pp_transport, split,
-                        p.dp_shard if "dp_shard" in keep else 1, cfg.activation_checkpoint.mode,
-                        bf16=cfg.training.dtype != "float32", dp_transport=p.dp_transport,
-                        homogeneous=p.homogeneous_backend, boundary=p.pp_boundary_dtype)
-        if plan is None:
-            reasons.append(f"pp={pp} x dp={dp} x tp={tp}: the planner cannot lay it out on {p.cluster}")
-        elif plan.rejected:
-            reasons.append(f"pp={pp} x dp={dp} x tp={tp}: {plan.rejected}")
+        shards = [p.dp_shard] if "dp_shard" in keep else [
+            d for d in shard_degrees(cut, pp, dp, tp) if _shard_groups_fit(cfg, world, pp, dp, tp, d)]
+        best, refused = None, None
+        for shard in shards:  # in the planner's order: none first, so equals keep the plainest
+            for ac in modes:
+                plan = evaluate(cut, model, cfg.data.seq_len, cfg.global_batch, pp, dp, tp, rows, p.pp_transport,
+                                split, shard, ac, bf16=cfg.training.dtype != "float32", dp_transport=p.dp_transport,
+                                homogeneous=p.homogeneous_backend, boundary=p.pp_boundary_dtype)
+                if plan is None:
+                    continue
+                if plan.rejected:
+                    refused = refused or plan.rejected  # the first: no sharding, no recomputation
+                elif best is None or plan.tokens_per_s > best.tokens:
+                    best = _Price(plan.tokens_per_s, list(plan.layer_split), shard, ac)
+        if best is not None:
+            out[(pp, dp, tp)] = best
+        elif refused is not None:
+            tried = " and ".join(what for what, n in (("FSDP degree", len(shards)),
+                                                      ("activation checkpointing mode", len(modes))) if n > 1)
+            reasons.append(f"pp={pp} x dp={dp} x tp={tp}: {refused}{f', with every {tried} tried' if tried else ''}")
         else:
-            out[(pp, dp, tp)] = (plan.tokens_per_s, list(plan.layer_split))
+            reasons.append(f"pp={pp} x dp={dp} x tp={tp}: the planner cannot lay it out on {p.cluster}")
     return out
 
 
+def _shard_groups_fit(cfg: TrainConfig, world: World, pp: int, dp: int, tp: int, shard: int) -> bool:
+    """The FSDP groups of ``shard`` on the world's ranks stay inside vendor islands (the mesh's own check): the
+    planner's node groups are in file order, the world's ranks need not be."""
+    from bimetal.parallel.mesh import plan_dp_mesh_groups
+
+    if shard == 1:
+        return True
+    view = world.view()
+    dims = ParallelDims(pp=pp, dp=dp, tp=tp, allow_cross_vendor_dp=cfg.parallel.allow_cross_vendor_dp)
+    try:
+        plan_dp_mesh_groups(view, plan_layout(view, dims), shard)
+    except (LayoutError, UserError):
+        return False
+    return True
+
+
 def _picked(cfg: TrainConfig, world: World, keep: frozenset[str], pp: int, dp: int, tp: int, rows: int,
-            split: list[int] | None = None, why: str = "") -> Pick:
+            split: list[int] | None = None, why: str = "", shard: int | None = None, ac: str | None = None) -> Pick:
     p, gb = cfg.parallel, cfg.global_batch
     if "layers_per_stage" in keep or split is None:
         split = list(p.layers_per_stage) if "layers_per_stage" in keep else []
-    parallel = dataclasses.replace(p, pp=pp, dp=dp, tp=tp, dp_shard=p.dp_shard if "dp_shard" in keep else 1,
-                                   layers_per_stage=split, microbatches=gb // (dp * rows), layout="fixed")
+    if shard is None:
+        shard = p.dp_shard if "dp_shard" in keep else 1
+    parallel = dataclasses.replace(p, pp=pp, dp=dp, tp=tp, dp_shard=shard, layers_per_stage=split,
+                                   microbatches=gb // (dp * rows), layout="fixed")
     data = dataclasses.replace(cfg.data, batch_size=gb // dp, global_batch_size=gb)
-    picked = dataclasses.replace(cfg, parallel=parallel, data=data)
+    mode = cfg.activation_checkpoint.mode if ac is None else ac
+    picked = dataclasses.replace(cfg, parallel=parallel, data=data,
+                                 activation_checkpoint=dataclasses.replace(cfg.activation_checkpoint, mode=mode))
     shown = picked.stage_split(_model_args(cfg).n_layers)
     vendors = {v for _, v in world.ranks}
     if not why and pp == 1:
@@ -229,11 +279,22 @@ def _picked(cfg: TrainConfig, world: World, keep: frozenset[str], pp: int, dp: i
     elif not why:
         why = "the fewest pipeline stages whose stages are each one vendor"
     if keep:
-        why += f", keeping {', '.join(f'parallel.{k}' for k in sorted(keep))} as written"
+        why += f", keeping {', '.join(_dotted(k) for k in sorted(keep))} as written"
     line = (f"bimetal train: parallel.layout='auto' on {world.describe()}: pp={pp} x dp={dp} x tp={tp}"
-            f"{f' x dp_shard={parallel.dp_shard}' if parallel.dp_shard > 1 else ''}, layers per stage {shown}, "
+            f"{f' x dp_shard={parallel.dp_shard}' if parallel.dp_shard > 1 else ''}"
+            f"{f', activation checkpointing {mode}' if mode != 'none' else ''}, layers per stage {shown}, "
             f"{parallel.microbatches} microbatch(es) of {rows} rows per replica, global batch {gb} kept ({why})")
     return Pick(picked, line)
+
+
+def _kept_value(cfg: TrainConfig, key: str) -> Any:
+    section, _, name = _dotted(key).partition(".")
+    return getattr(getattr(cfg, section), name)
+
+
+def _dotted(key: str) -> str:
+    """A kept key as the user writes it (``AUTO_KEEPS`` are ``parallel``'s)."""
+    return key if "." in key else f"parallel.{key}"
 
 
 def agree_layout(cfg: TrainConfig, keep: frozenset[str], view: ClusterView, store: Any, rank: int,

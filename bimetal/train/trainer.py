@@ -317,6 +317,13 @@ def _same_job(cfg: TrainConfig, ctx: Any) -> tuple[Job | None, list[str], bool]:
         store = dist.distributed_c10d._get_default_store()
         agents = store_exchange.exchange(store, "bimetal/job/agent", ctx.rank, agent_id(), range(ctx.world_size),
                                          timeout)
+        # One answer for the whole round: a rank whose node sees no record (its own copy of the run folder) must
+        # not start afresh while the others resume. The record can only name agents of this job, so one rank
+        # that finds them is enough.
+        found = Job.continues(cfg.metrics.run_dir, agents)
+        votes: list[bool] = store_exchange.exchange(store, "bimetal/job/continues", ctx.rank, found,
+                                                    range(ctx.world_size), timeout)
+        return job, agents, any(votes)
     return job, agents, Job.continues(cfg.metrics.run_dir, agents)
 
 

@@ -50,6 +50,22 @@ def test_metrics_jsonl_and_unknown_mfu(tmp_path: Path) -> None:
     assert s["loss_start"] == 5.0 and s["loss_end"] == 4.0 and s["xvendor_bytes"] == 4096
 
 
+def test_a_fresh_run_keeps_an_earlier_runs_metrics_beside_its_own(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """A run from step 0 in a folder whose metrics.jsonl holds an earlier run's records (no checkpoints, so no
+    resume) moves them to metrics.1.jsonl, then metrics.2.jsonl, saying so; an empty file is not kept."""
+    for n, loss in enumerate((5.0, 4.0, 3.0)):
+        m = StepMetrics(tmp_path, 0, flops_per_token=1e6, peak=None)
+        m.log(1, loss, 1000, 0.5, 1e-3, 1.0, 0.1, 2048)
+        if n:
+            assert f"of an earlier run in this folder is kept as metrics.{n}.jsonl" in capsys.readouterr().out
+    kept = {p.name: json.loads(p.read_text())["loss"] for p in tmp_path.glob("metrics*.jsonl")}
+    assert kept == {"metrics.1.jsonl": 5.0, "metrics.2.jsonl": 4.0, "metrics.jsonl": 3.0}
+    (tmp_path / "metrics.jsonl").write_text("")
+    StepMetrics(tmp_path, 0, flops_per_token=1e6, peak=None)
+    assert "kept as" not in capsys.readouterr().out and not (tmp_path / "metrics.3.jsonl").exists()
+
+
 def test_mfu_uses_summed_peak_and_refuses_partial_tables(tmp_path: Path) -> None:
     h100 = peak_flops("NVIDIA H100 80GB HBM3")
     assert h100 is not None and cluster_peak_flops(["NVIDIA H100 80GB HBM3"] * 2) == 2 * h100

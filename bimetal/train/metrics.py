@@ -1,8 +1,9 @@
 """Per-step metrics: loss, tokens/s, MFU, cross-vendor communication time and bytes.
 
 Rank 0 appends one JSON object per step to ``<run_dir>/metrics.jsonl``; a resumed run first cuts the file back
-to its checkpoint's step, so replayed steps replace their records. The rank the trainer gives a ``console``
-prints the step line (``bimetal.train.console``).
+to its checkpoint's step, so replayed steps replace their records. A run from step 0 keeps an earlier run's file
+as ``metrics.N.jsonl`` (N the first free from 1) and says so: a record is never deleted. The rank the trainer
+gives a ``console`` prints the step line (``bimetal.train.console``).
 MFU needs the device's peak from ``bimetal.topology.devices``; an unknown device (CPU simulation
 included) gives ``None``, printed as ``unknown`` - never a guessed number.
 """
@@ -36,6 +37,22 @@ def cluster_peak_flops(device_names: list[str]) -> float | None:
     return float(sum(p for p in peaks if p is not None))
 
 
+def _set_aside(path: Path) -> Path | None:
+    """Move an earlier run's ``metrics.jsonl`` (one with records) to ``metrics.N.jsonl``, N the first free from 1;
+    returns where it went, or None where there was nothing to keep."""
+    try:
+        if path.stat().st_size == 0:
+            path.unlink()
+            return None
+    except FileNotFoundError:
+        return None
+    n = 1
+    while (target := path.with_name(f"{path.stem}.{n}{path.suffix}")).exists():
+        n += 1
+    path.rename(target)
+    return target
+
+
 class StepMetrics:
     """Collects per-step records; writes JSONL and the console line on rank 0."""
 
@@ -57,7 +74,10 @@ class StepMetrics:
         if rank == 0:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             if start_step == 0:
-                self.path.unlink(missing_ok=True)
+                kept = _set_aside(self.path)
+                if kept is not None:  # an earlier run's record, not this run's: kept, never deleted
+                    print(f"bimetal train: {self.path} of an earlier run in this folder is kept as {kept.name}; "
+                          "this run starts a new one.", flush=True)
             else:
                 self.history = _keep_until(self.path, start_step)
             if tensorboard:

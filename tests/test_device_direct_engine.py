@@ -74,17 +74,36 @@ def test_protocol_choice(monkeypatch, tmp_path):
         open_engine("127.0.0.1", "tcp", name="nope")
 
 
-def test_default_host_is_the_nic_of_this_local_rank(monkeypatch):
+def test_default_host_is_the_nic_paired_with_this_ranks_gpu(monkeypatch, tmp_path):
+    """Without a PCI topology (this machine): by position from the local rank, wrapping. On a fake MI300X node
+    whose NIC names sort against their PCI order, simulated local rank i (the node's GPU i) takes the NIC behind
+    GPU i's switch, as cpu-forward's choice does (``tests/test_pci_pairing.py``), not the i-th name."""
+    from fake_sysfs import mi300x_node
+
     from bimetal.comm.device_direct import default_host
     from bimetal.topology.records import NicInfo
 
+    (tmp_path / "empty").mkdir()
+    monkeypatch.setenv("BIMETAL_SYSFS", str(tmp_path / "empty"))  # no PCI devices, no GPUs: nothing to pair by
+    monkeypatch.setenv("BIMETAL_SIMULATE", "amd:8")
     nics = [NicInfo("eth0", "10.0.0.1"), NicInfo("eth1", "10.0.1.1")]
     assert default_host(0, nics) == "10.0.0.1"
     assert default_host(1, nics) == "10.0.1.1"
-    assert default_host(5, nics) == "10.0.0.1"  # fewer NICs than local ranks: the first NIC
+    assert default_host(5, nics) == "10.0.1.1"  # fewer NICs than local ranks: wrapping, as cpu-forward's pick
     assert default_host(1, []) == "127.0.0.1"
     monkeypatch.setenv("LOCAL_RANK", "1")
     assert default_host(None, nics) == "10.0.1.1"
+    shuffled = ["ens7np0", "ens3np0", "ens5np0", "ens0np0", "ens6np0", "ens1np0", "ens4np0", "ens2np0"]
+    _, in_pci_order = mi300x_node(tmp_path / "sys", names=shuffled)
+    monkeypatch.setenv("BIMETAL_SYSFS", str(tmp_path / "sys"))
+    named = [NicInfo(n, f"10.0.{i}.1", 24) for i, n in enumerate(sorted(in_pci_order))]
+    address = {n.name: n.address for n in named}
+    got = []
+    for i in range(8):  # the rank's GPU is its own (LOCAL_RANK's), as on a real node
+        monkeypatch.setenv("LOCAL_RANK", str(i))
+        got.append(default_host(None, named))
+    assert got == [address[n] for n in in_pci_order], got
+    assert got != [n.address for n in named]  # by position it would have been the name-sorted list
 
 
 def test_options_are_checked(monkeypatch):

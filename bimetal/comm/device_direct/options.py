@@ -27,14 +27,16 @@ MAX_INLINE = 256 << 10  # the largest payload a control frame may carry
 
 
 def default_host(local_rank: int | None = None, nics: list[Any] | None = None) -> str:
-    """The address of candidate NIC ``local_rank`` of this node (one NIC per GPU; the candidates of
-    ``bimetal.topology.interfaces``, which leave out bridges and container networks); the first one when the
-    node has fewer than local ranks; loopback when it has none. ``local_rank`` defaults to ``LOCAL_RANK``.
-    This is the choice without the peers; a group's creator narrows it by their subnets (``reach``)."""
-    if nics is None:
-        from bimetal.topology.interfaces import candidate_nics
+    """The address of this local rank's NIC among the candidates (``bimetal.topology.interfaces``, which leave out
+    bridges and container networks): the one paired with its GPU in the PCI topology, as cpu-forward and the
+    topology exchange choose (``interfaces.preference``), else by position from NIC ``local_rank`` (wrapping where
+    the node has fewer NICs than local ranks); loopback when it has none. ``local_rank`` defaults to
+    ``LOCAL_RANK``. This is the choice without the peers; a group's creator narrows it by their subnets
+    (``reach``)."""
+    from bimetal.topology import interfaces
 
-        nics = candidate_nics()
+    if nics is None:
+        nics = interfaces.candidate_nics()
     if local_rank is None:
         try:
             local_rank = local_device.local_rank()
@@ -42,7 +44,7 @@ def default_host(local_rank: int | None = None, nics: list[Any] | None = None) -
             local_rank = 0
     if not nics:
         return "127.0.0.1"
-    return nics[local_rank].address if 0 <= local_rank < len(nics) else nics[0].address
+    return str(interfaces.pick(nics, local_rank, 1, interfaces.preference(nics, local_rank))[0].address)
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,6 @@ def _state() -> dict[str, object]:
 
     return {"env": dict(os.environ), "cwd": os.getcwd(), "log": list(logging.getLogger().handlers),
             "signals": {s: signal.getsignal(s) for s in _SIGNALS},
-            "threads": sorted(t.name for t in threading.enumerate()),
             "group": dist.is_available() and dist.is_initialized()}
 
 
@@ -54,9 +53,11 @@ def cli_main(argv: list[str], capsys: pytest.CaptureFixture[str], monkeypatch: p
     if cwd is not None:
         monkeypatch.chdir(cwd)
     capsys.readouterr()
-    before = _state()
+    before, threads = _state(), set(threading.enumerate())
     code = main(list(argv))
     out, err = capsys.readouterr()
     after = _state()
     assert after == before, {k: (before[k], after[k]) for k in before if before[k] != after[k]}
+    # a thread the command started and left running (one an earlier test left may end meanwhile: not this one's)
+    assert not set(threading.enumerate()) - threads, sorted(t.name for t in set(threading.enumerate()) - threads)
     return code, out, err

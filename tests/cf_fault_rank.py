@@ -52,7 +52,10 @@ def main() -> None:
             with contextlib.suppress(Exception):  # it times out too; rank 0's error is the one checked
                 dist.all_gather([torch.empty(4), torch.empty(4)], torch.ones(4), group=g)
             os._exit(0)
-        time.sleep(TIMEOUT_S + 8)  # stall: alive, silent
+        # stall: alive and silent until rank 0's receive has timed out and said so (bounded, should it never)
+        done, deadline = os.path.join(out_dir, "rank0.json"), time.monotonic() + TIMEOUT_S + 60
+        while not os.path.exists(done) and time.monotonic() < deadline:
+            time.sleep(0.2)
         os._exit(0)
     if mode == "corrupt":
         clean = torch.empty(n)

@@ -6,8 +6,9 @@ its run folder and damages the copy as a disk, a copy or a hand would: a data fi
 kept), a ``meta.json`` changed in place (size kept, checksum not), a step folder whose save never finished.
 Each refusal is asserted the same way: exit status 2, one line on stderr starting ``bimetal``, no traceback,
 and every file of the folder byte for byte as before (hashed before and after). Refusals happen before any
-rank starts, so they cost no training; the two tests that do train (a resume past a damaged checkpoint, a
-change accepted with ``--resume-changed``) train 4 steps or none.
+rank starts, so they cost no training; each test runs one of its refusals through the executable and the others
+by ``bimetal.cli.main`` in this process (``cli_inprocess``: no interpreter start). The two tests that do train
+(a resume past a damaged checkpoint, a change accepted with ``--resume-changed``) train 4 steps or none.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from cli_inprocess import cli_main
 from launcher import clean_env
 
 from bimetal.cli import main
@@ -47,6 +49,13 @@ def _one_sentence(code: int, out: str, err: str, *fragments: str) -> str:
 
 def _refused(proc: subprocess.CompletedProcess, *fragments: str) -> str:
     return _one_sentence(proc.returncode, proc.stdout, proc.stderr, *fragments)
+
+
+def _refused_here(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, args: list[str], cwd: Path,
+                  *fragments: str) -> str:
+    """``bimetal ARGS`` refused as ``_refused`` asserts, run by ``bimetal.cli.main`` in this process (the refusal
+    comes before any rank starts; each test keeps one of its refusals through the executable)."""
+    return _one_sentence(*cli_main(args, capsys, monkeypatch, cwd=cwd), *fragments)
 
 
 def _hashes(folder: Path) -> dict[str, str]:
@@ -87,17 +96,18 @@ def run(trained: Path, tmp_path: Path) -> Path:
     return Path(shutil.copytree(trained, tmp_path / "run"))
 
 
-def test_a_run_that_is_not_a_resume_is_refused_where_checkpoints_are(run: Path) -> None:
+def test_a_run_that_is_not_a_resume_is_refused_where_checkpoints_are(run: Path, capsys, monkeypatch) -> None:
     before = _hashes(run)
-    for launcher in ([], ["--simulate", "nvidia:1,amd:1"]):  # one process, and the launcher of simulated ranks
-        line = _refused(_run(["train", *TINY, *launcher, f"--metrics.run_dir={run}"], cwd=run.parent),
-                        f"='{run}/checkpoints' already holds checkpoints (step-000002, step-000004)", "--resume",
-                        "move them away")
-        assert "checkpoint.folder" in line
+    why = (f"='{run}/checkpoints' already holds checkpoints (step-000002, step-000004)", "--resume", "move them away")
+    # the launcher of simulated ranks through the executable, one process in this one
+    lines = [_refused(_run(["train", *TINY, "--simulate", "nvidia:1,amd:1", f"--metrics.run_dir={run}"],
+                           cwd=run.parent), *why),
+             _refused_here(capsys, monkeypatch, ["train", *TINY, f"--metrics.run_dir={run}"], run.parent, *why)]
+    assert all("checkpoint.folder" in line for line in lines), lines
     assert _hashes(run) == before
 
 
-def test_a_resume_that_finds_no_usable_checkpoint_stops_and_changes_nothing(run: Path) -> None:
+def test_a_resume_that_finds_no_usable_checkpoint_stops_and_changes_nothing(run: Path, capsys, monkeypatch) -> None:
     ckpts = run / "checkpoints"
     _seed_in_place(ckpts / "step-000004")
     _flip(next((ckpts / "step-000002" / "stage0").glob("*.distcp")))
@@ -107,8 +117,10 @@ def test_a_resume_that_finds_no_usable_checkpoint_stops_and_changes_nothing(run:
     why = ("found no usable checkpoint in", "step-000006: it has no COMPLETE marker",
            "step-000004: meta.json is not what was written: its checksum differs",
            "step-000002: stage0/", "nothing was changed", "to start from step 0")
-    for extra in ([], ["--dry-run"], ["--simulate", "nvidia:1,amd:1"]):
-        line = _refused(_run(["train", *TINY, f"--metrics.run_dir={run}", "--resume", *extra], cwd=run.parent), *why)
+    for extra in ([], ["--dry-run"], ["--simulate", "nvidia:1,amd:1"]):  # the first through the executable
+        args = ["train", *TINY, f"--metrics.run_dir={run}", "--resume", *extra]
+        line = _refused(_run(args, cwd=run.parent), *why) if not extra else \
+            _refused_here(capsys, monkeypatch, args, run.parent, *why)
         # the hand-edited meta.json is damage, not a config that changed the seed
         assert "--resume-changed" not in line and "model.seed" not in line, line
     assert _hashes(run) == before
@@ -127,7 +139,7 @@ def test_the_ranks_refuse_alike_where_no_launcher_checked(run: Path) -> None:
     assert _hashes(run) == before
 
 
-def test_a_resume_past_a_damaged_checkpoint_keeps_it(run: Path) -> None:
+def test_a_resume_past_a_damaged_checkpoint_keeps_it(run: Path, capsys, monkeypatch) -> None:
     """The check before ranks passes over a hand-edited meta.json as the ranks do (it used to blame the config);
     the run resumes from step 2, and neither the save of step 4 nor pruning touches the damaged folder: it is
     set aside whole as step-000004.damaged."""
@@ -148,16 +160,16 @@ def test_a_resume_past_a_damaged_checkpoint_keeps_it(run: Path) -> None:
     assert sorted(p.name for p in ckpts.iterdir()) == ["step-000004.damaged", "step-000006"]
     assert _hashes(ckpts / "step-000004.damaged") == damaged
     # and a later run that is not a resume names it too
-    _refused(_run(["train", *TINY, f"--metrics.run_dir={run}"], cwd=run.parent), "step-000004.damaged")
+    _refused_here(capsys, monkeypatch, ["train", *TINY, f"--metrics.run_dir={run}"], run.parent, "step-000004.damaged")
 
 
-def test_pp_boundary_dtype_is_kept_on_a_resume_unless_accepted(run: Path) -> None:
+def test_pp_boundary_dtype_is_kept_on_a_resume_unless_accepted(run: Path, capsys, monkeypatch) -> None:
     before = _hashes(run)
     change = ["train", *TINY, "--training.steps=4", f"--metrics.run_dir={run}", "--resume",
               "--parallel.pp_boundary_dtype=float32"]
-    _refused(_run([*change, "--dry-run"], cwd=run.parent),
-             "was written with parallel.pp_boundary_dtype='compute' but this run has "
-             "parallel.pp_boundary_dtype='float32'", "--resume-changed")
+    _refused_here(capsys, monkeypatch, [*change, "--dry-run"], run.parent,
+                  "was written with parallel.pp_boundary_dtype='compute' but this run has "
+                  "parallel.pp_boundary_dtype='float32'", "--resume-changed")
     assert _hashes(run) == before
     proc = _run([*change, "--resume-changed"], cwd=run.parent)  # resumed at step 4 of 4: nothing trains
     said = [line for line in (proc.stdout + proc.stderr).splitlines() if "with changed settings" in line]

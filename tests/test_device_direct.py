@@ -1,7 +1,10 @@
 """The device-direct process group between two real processes: the real Mooncake engine over TCP loopback.
 
-Each test spawns two ranks against a TCPStore hosted here; every rank checks its own half and writes a JSON
-verdict, so a failure names the rank and the check.
+Each test starts two ranks against a TCPStore hosted here; every rank checks its own half and writes a JSON
+verdict, so a failure names the rank and the check. The ranks are new processes forked from one server process
+that imported torch and bimetal once for the whole file (multiprocessing's ``forkserver``, as bimetal's launcher
+forks simulated ranks with torch already imported): each rank starts clean of the test process's state without
+paying an interpreter start and a torch import (~3 s of CPU) per rank.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import time
 import traceback
 import warnings
 import zlib
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -21,7 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import engine_unavailable
-from launcher import spawn
+from launcher import rank_exit
 from torch import nn
 
 pytestmark = [pytest.mark.timeout(120),
@@ -58,6 +62,13 @@ def _join_world(rank: int, port: int, timeout_s: float, group: bool = True) -> d
 
 
 def _rank(rank: int, port: int, scenario: str, out: str) -> None:
+    try:
+        _scenario(rank, port, scenario, out)
+    finally:
+        rank_exit()
+
+
+def _scenario(rank: int, port: int, scenario: str, out: str) -> None:
     verdict: dict = {"ok": False}
     try:
         verdict = SCENARIOS[scenario](rank, port)
@@ -251,9 +262,27 @@ SCENARIOS = {"exchange": _exchange, "mismatch": _mismatch, "pipeline": _pipeline
              "fallback": _fallback, "sender_leaves": _sender_leaves}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _forkserver() -> Iterator[None]:
+    """The server the ranks fork from: started by the first test with torch and bimetal imported, stopped and
+    waited for when the file is done (no process left to the worker's next file, and its ranks' CPU time, which
+    it reaped, counts for this file)."""
+    import multiprocessing
+    import multiprocessing.forkserver
+
+    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "bimetal"])
+    yield
+    multiprocessing.forkserver._forkserver._stop()  # no public way to stop it before the interpreter exits
+
+
 def _spawn(scenario: str, tmp_path: Path) -> list[dict]:
+    import torch.multiprocessing as mp
+
     store = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=timedelta(seconds=60), wait_for_workers=False)
-    spawn(_rank, (store.port, scenario, str(tmp_path)))
+    ctx = mp.start_processes(_rank, args=(store.port, scenario, str(tmp_path)), nprocs=2, start_method="forkserver",
+                             join=False)
+    while not ctx.join(timeout=100):  # a rank that fails raises here; the test's timeout bounds the wait
+        pass
     return [json.loads(p.read_text()) for p in sorted(tmp_path.glob("r*.json"))]
 
 

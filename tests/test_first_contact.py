@@ -1,7 +1,8 @@
 """First contact: the commands a new user types, as subprocesses, end in a sensible run or one sentence.
 
 Every refusal: exit status 2, one line on stderr starting ``bimetal``, no traceback, no torchrun dump, and
-nothing written to the run folder. The multi-rank rows (a run with no config, a rank that dies, SIGTERM to
+nothing written to the run folder; one case per family through the console script, the rest by ``bimetal.cli.main``
+in this process (``cli_inprocess``). The multi-rank rows (a run with no config, a rank that dies, SIGTERM to
 ``bimetal train``, an error only a rank can see, a device-direct fallback) are few and a handful of steps
 long. The in-process catalogue of bad inputs is ``test_bad_inputs.py``.
 """
@@ -20,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
+from cli_inprocess import cli_main
 from launcher import clean_env
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -86,9 +88,15 @@ def _one_sentence(proc: subprocess.CompletedProcess, fragment: str) -> None:
     assert "Traceback" not in err and "ChildFailedError" not in err, err
 
 
+# The cases run through the real console script (a subprocess: the exit status and the sentence shown for real),
+# one per family: a command-line value and a BIMETAL_* variable. The rest run ``bimetal.cli.main`` in this process
+# (cli_inprocess: a refusal comes before any rank starts, so there is no process to pay for).
+THROUGH_CONSOLE = ("no-simulate-outside-torchrun", "cf-stripes-abc")
+
+
 @pytest.fixture(scope="module")
 def refusals(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
-    """Every refusal case run once, three at a time (each is a process start and a torch import, ~3 s)."""
+    """The console-script cases, run once and side by side (each is a process start and a torch import, ~3 s)."""
     def one(case: tuple[str, dict[str, str], Callable[[Path], list[str]], str]):
         name, extra, build, _ = case
         folder = tmp_path_factory.mktemp(name)
@@ -97,16 +105,31 @@ def refusals(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[subpro
             args.append(f"--metrics.run_dir={folder / 'run'}")
         return name, (_run(args, clean_env(**extra), timeout=120), folder / "run")
 
-    with ThreadPoolExecutor(3) as pool:
-        return dict(pool.map(one, REFUSALS))
+    with ThreadPoolExecutor(len(THROUGH_CONSOLE)) as pool:
+        return dict(pool.map(one, [c for c in REFUSALS if c[0] in THROUGH_CONSOLE]))
 
 
-@pytest.mark.parametrize(("name", "fragment"), [(c[0], c[3]) for c in REFUSALS], ids=[c[0] for c in REFUSALS])
+@pytest.mark.parametrize(("name", "fragment"), [(c[0], c[3]) for c in REFUSALS if c[0] in THROUGH_CONSOLE],
+                         ids=[c[0] for c in REFUSALS if c[0] in THROUGH_CONSOLE])
 def test_refused_before_any_rank_starts(refusals, name: str, fragment: str) -> None:
     proc, run_dir = refusals[name]
     _one_sentence(proc, fragment)
     assert not run_dir.exists(), sorted(run_dir.rglob("*"))
     assert "bimetal cluster view" not in proc.stdout  # no rank started
+
+
+@pytest.mark.parametrize(("extra", "build", "fragment"), [c[1:] for c in REFUSALS if c[0] not in THROUGH_CONSOLE],
+                         ids=[c[0] for c in REFUSALS if c[0] not in THROUGH_CONSOLE])
+def test_refused_before_any_rank_starts_in_process(extra: dict[str, str], build: Callable[[Path], list[str]],
+                                                   fragment: str, tmp_path: Path, capsys, monkeypatch) -> None:
+    args = build(tmp_path)
+    run_dir = tmp_path / "run"
+    if args[0] == "train":
+        args.append(f"--metrics.run_dir={run_dir}")
+    code, out, err = cli_main(args, capsys, monkeypatch, env=extra, cwd=ROOT)
+    _one_sentence(subprocess.CompletedProcess(args, code, out, err), fragment)
+    assert not run_dir.exists(), sorted(run_dir.rglob("*"))
+    assert "bimetal cluster view" not in out  # no rank started
 
 
 def test_simulate_without_config_chooses_the_layout_and_trains_as_one_job(tmp_path: Path) -> None:

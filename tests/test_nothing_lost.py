@@ -1,7 +1,8 @@
 """Nothing lost, nothing silent: output folders, exports, the dry-run, resumes, through the ``bimetal`` executable.
 
-Every refusal here is a subprocess of the command a user types: exit status 2, one line on stderr starting
-``bimetal``, no traceback, nothing written, no rank started. Read-only folders are made by the test: a
+Every refusal here is asserted alike: exit status 2, one line on stderr starting ``bimetal``, no traceback, nothing
+written, no rank started; most are a subprocess of the command a user types, a few (whose class has such a row
+already) run ``bimetal.cli.main`` in this process (``cli_inprocess``). Read-only folders are made by the test: a
 read-only tmpfs mounted by root (permission bits do not stop root), else a folder without write permission;
 a folder "under a regular file" needs neither and runs everywhere. The few runs that train are single
 processes of a few steps, shared by the export and resume tests; the in-process catalogue of the same
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_inprocess import cli_main
 from launcher import clean_env
 
 from bimetal.outputs import folder_problem
@@ -103,6 +105,11 @@ REFUSALS: list[tuple[str, Builder, dict[str, str], tuple[str, ...]]] = [
 """One row per class through the executable; the other variants of each class run in-process in
 ``test_bad_inputs.py`` (``NOTHING_LOST``), where a case costs no interpreter start."""
 
+IN_PROCESS = ("plan-write-read-only", "dry-run-16-ranks-on-2")
+"""Rows run by ``bimetal.cli.main`` in this process (``cli_inprocess``), asserted as the others: their class has a
+row through the executable already (an output folder refused: checkpoint-folder-read-only; a layout against the
+world: test_first_contact's no-simulate-outside-torchrun; the plan command: test_plan_views)."""
+
 
 def _foreign(t: Path) -> str:
     folder = t / "hf"
@@ -133,12 +140,13 @@ def refusals(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[subpro
             return name, (_run(args, clean_env(**extra), cwd=folder), folder)
 
         with ThreadPoolExecutor(3) as pool:
-            done = dict(pool.map(one, REFUSALS))
+            done = dict(pool.map(one, [c for c in REFUSALS if c[0] not in IN_PROCESS]))
         assert not any(ro.iterdir())
     return done
 
 
-@pytest.mark.parametrize(("name", "fragments"), [(c[0], c[3]) for c in REFUSALS], ids=[c[0] for c in REFUSALS])
+@pytest.mark.parametrize(("name", "fragments"), [(c[0], c[3]) for c in REFUSALS if c[0] not in IN_PROCESS],
+                         ids=[c[0] for c in REFUSALS if c[0] not in IN_PROCESS])
 def test_refused_in_one_sentence_with_nothing_written(refusals, name: str, fragments: tuple[str, ...]) -> None:
     proc, folder = refusals[name]
     if name == "simulate-device-cuda-without-gpu" and torch.cuda.is_available():
@@ -148,6 +156,23 @@ def test_refused_in_one_sentence_with_nothing_written(refusals, name: str, fragm
     assert set(written) <= {"a-file", "hf", "cfg.toml"}, written  # what the case itself put there
     if (folder / "hf").is_dir():
         assert sorted(p.name for p in (folder / "hf").iterdir()) == ["pytorch_model.bin"]
+
+
+@pytest.mark.parametrize("case", [c for c in REFUSALS if c[0] in IN_PROCESS], ids=list(IN_PROCESS))
+def test_refused_in_one_sentence_with_nothing_written_in_process(case, tmp_path: Path, capsys, monkeypatch) -> None:
+    name, build, extra, fragments = case
+    folder = tmp_path / name
+    folder.mkdir()
+    regular = folder / "a-file"
+    regular.write_text("x")
+    with read_only_folder(tmp_path) as ro:
+        args = build(folder, ro, regular)
+        if args[0] == "train" and not any(a.startswith("--metrics.run_dir") for a in args):
+            args.append(f"--metrics.run_dir={folder / 'run'}")
+        code, out, err = cli_main(args, capsys, monkeypatch, env=extra, cwd=folder)
+        assert not any(ro.iterdir())
+    _one_sentence(subprocess.CompletedProcess(args, code, out, err), *fragments)
+    assert sorted(p.name for p in folder.iterdir()) == ["a-file"]
 
 
 def test_master_port_is_honoured_and_a_busy_one_is_one_sentence(tmp_path: Path) -> None:
@@ -272,15 +297,18 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return run, hf
 
 
-def test_resume_with_a_changed_setting_is_refused_then_accepted_and_the_export_replaced(trained) -> None:
+def test_resume_with_a_changed_setting_is_refused_then_accepted_and_the_export_replaced(trained, capsys,
+                                                                                          monkeypatch) -> None:
     run, hf = trained
     first = _hf_weights(hf)
     assert (hf / "model.safetensors.index.json").is_file() and not (hf / "model.safetensors").exists()
     changed = ["train", "--data.seq_len=16", "--data.batch_size=2", "--training.steps=3", f"--metrics.run_dir={run}",
                f"--checkpoint.export_hf={hf}", "--resume"]
-    for extra in ([], ["--dry-run"]):  # the run and its dry-run refuse alike, before anything starts
-        _one_sentence(_run([*changed, *extra], cwd=run.parent),
-                      "was written with data.seq_len=32 but this run has data.seq_len=16", "--resume-changed")
+    why = ("was written with data.seq_len=32 but this run has data.seq_len=16", "--resume-changed")
+    # the run and its dry-run refuse alike, before anything starts (the dry-run by bimetal.cli.main here)
+    _one_sentence(_run(changed, cwd=run.parent), *why)
+    dry = [*changed, "--dry-run"]
+    _one_sentence(subprocess.CompletedProcess(dry, *cli_main(dry, capsys, monkeypatch, cwd=run.parent)), *why)
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-000002"]
     proc = _run([*changed, "--resume-changed"], cwd=run.parent)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -24,9 +24,12 @@ from concurrent.futures import ThreadPoolExecutor
 pool = ThreadPoolExecutor(1)
 pool.submit(int).result()
 atexit.register(lambda: print("atexit: pool stopped", not any(t.is_alive() for t in pool._threads), flush=True))
+# a fork has torch loaded: its thread count is the launcher's setting applied in the fork; a new interpreter does not
+# import torch for it (~3 s of CPU), since torch takes OMP_NUM_THREADS from its environment when it is imported
+preloaded = "torch.distributed.checkpoint" in sys.modules
+threads = sys.modules["torch"].get_num_threads() if preloaded else int(os.environ["OMP_NUM_THREADS"])
 print(json.dumps({"rank": int(os.environ["RANK"]), "main_tid": threading.main_thread().native_id == os.getpid(),
-                  "argv": sys.argv[1:], "path0": sys.path[0], "threads": __import__("torch").get_num_threads(),
-                  "preloaded": "torch.distributed.checkpoint" in sys.modules,
+                  "argv": sys.argv[1:], "path0": sys.path[0], "threads": threads, "preloaded": preloaded,
                   "own_session": os.getsid(0) == os.getpid(), "vendor": os.environ["BIMETAL_SIMULATE"],
                   "name": __name__}), flush=True)
 if os.environ["RANK"] == "1" and "fail" in sys.argv:

@@ -79,7 +79,7 @@ def test_16_rank_all_gather_runs_in_rounds_in_two_slabs_and_allocations_stay_fla
         warm = pg.state.pool.allocations
         y = torch.arange(300, dtype=torch.int64) * (r + 1)
         flat = torch.empty(16 * 300, dtype=torch.int64)
-        for _ in range(100):
+        for _ in range(20):  # a pool that grew per call, or per round, shows within a few calls
             pg._allgather_base(flat, y).wait()
         assert torch.equal(flat.view(16, 300), torch.arange(300) * torch.arange(1, 17).view(16, 1))
         seen[r] = (warm, pg.state.pool.allocations, pg.state.pool.held_bytes)

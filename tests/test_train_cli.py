@@ -1,4 +1,8 @@
-"""``bimetal train`` bad inputs: one sentence on stderr, exit status 2, no traceback."""
+"""``bimetal train`` bad inputs: one sentence on stderr, exit status 2, no traceback.
+
+The first case runs the console script (a subprocess: the exit status and the sentence shown for real); the
+others are refused before any rank starts, so they run ``bimetal.cli.main`` in this process (``cli_inprocess``).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_inprocess import cli_main
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -16,15 +21,20 @@ def _run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([exe, "train", *args], capture_output=True, text=True, timeout=50)
 
 
-@pytest.mark.parametrize(("toml", "extra", "match"), [
-    ("[optim]\nlearning_rate = 1\n", [], "optim.learning_rate"),
-    ("[parallel]\npp = 2\nlayers_per_stage = [3]\n", [], "layers_per_stage"),
-    ("[data]\npath = '/nonexistent/corpus.txt'\n", [], "does not exist"),
-    ("", ["--training.steps=abc"], "training.steps"),
+@pytest.mark.parametrize(("toml", "extra", "match", "console"), [
+    ("[optim]\nlearning_rate = 1\n", [], "optim.learning_rate", True),
+    ("[parallel]\npp = 2\nlayers_per_stage = [3]\n", [], "layers_per_stage", False),
+    ("[data]\npath = '/nonexistent/corpus.txt'\n", [], "does not exist", False),
+    ("", ["--training.steps=abc"], "training.steps", False),
 ])
-def test_bad_input_exits_2(tmp_path: Path, toml: str, extra: list[str], match: str) -> None:
+def test_bad_input_exits_2(tmp_path: Path, toml: str, extra: list[str], match: str, console: bool, capsys,
+                           monkeypatch) -> None:
     f = tmp_path / "c.toml"
     f.write_text(toml)
-    r = _run("--config", str(f), *extra)
-    assert r.returncode == 2, r.stderr
-    assert match in r.stderr and "Traceback" not in r.stderr
+    if console:
+        r = _run("--config", str(f), *extra)
+        code, err = r.returncode, r.stderr
+    else:
+        code, _, err = cli_main(["train", "--config", str(f), *extra], capsys, monkeypatch)
+    assert code == 2, err
+    assert match in err and "Traceback" not in err

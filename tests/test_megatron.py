@@ -205,7 +205,7 @@ def test_missing_megatron_through_the_command(tmp_path: Path) -> None:
     env = clean_env()
     env["PYTHONPATH"] = f"{tmp_path}:{env['PYTHONPATH']}"
     proc = bimetal("megatron", "--simulate", "nvidia:1,amd:1", "--", "scripts/megatron_gpt.py", "--pp", "2",
-                   env=env, timeout=60)
+                   env=env, timeout=150)
     _one_sentence(proc, "megatron-core is not installed")
 
 
@@ -241,13 +241,13 @@ def test_without_simulate_or_a_launcher(capsys: pytest.CaptureFixture[str], monk
     _refused_here(["megatron", "--", "scripts/megatron_gpt.py"], capsys, monkeypatch, "RANK is not set")
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_a_layout_megatron_refuses() -> None:
-    proc = bimetal("megatron", "--simulate", "nvidia:1", "--", "scripts/megatron_gpt.py", "--tp", "2", timeout=100)
+    proc = bimetal("megatron", "--simulate", "nvidia:1", "--", "scripts/megatron_gpt.py", "--tp", "2", timeout=250)
     _one_sentence(proc, "megatron-core refused the layout", "not divisible by 2")
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_initialize_after_megatron_built_its_groups(tmp_path: Path) -> None:
     script = tmp_path / "wrong_order.py"
     script.write_text(textwrap.dedent('''\
@@ -261,5 +261,5 @@ def test_initialize_after_megatron_built_its_groups(tmp_path: Path) -> None:
         parallel_state.initialize_model_parallel()
         bimetal_megatron.initialize()
         '''))
-    proc = bimetal("launch", "--simulate", "nvidia:1", "--", str(script), timeout=100)
+    proc = bimetal("launch", "--simulate", "nvidia:1", "--", str(script), timeout=250)
     _one_sentence(proc, "initialize_model_parallel already ran", "before it")

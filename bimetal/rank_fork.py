@@ -44,8 +44,11 @@ PRELOAD = ("torch.distributed.tensor", "torch.distributed.checkpoint", "torch.di
            "torch.distributed.fsdp")
 """The torch packages a trainer rank imports, imported by the launcher before it forks."""
 
-RANK_PRELOAD = {"bimetal.train": "bimetal.train.trainer", "bimetal.bench.gpu_ladder_rank": "bimetal.train.trainer"}
-"""A rank module's own heavy imports (its ``__main__`` itself must not be imported: it would run)."""
+RANK_PRELOAD = {"bimetal.train": "bimetal.train.trainer", "bimetal.bench.gpu_ladder_rank": "bimetal.train.trainer",
+                "bimetal.integrations.megatron": "megatron.core.models.gpt.gpt_model"}
+"""A rank module's own heavy imports (its ``__main__`` itself must not be imported: it would run). The Megatron entry
+runs a script that imports megatron-core (about 3 s of CPU per rank); its GPT model imports nearly all of it and
+reads no rank's variable at import. Its CPU stand-ins are installed by each rank after the import either way."""
 
 
 def fork_wanted(env: Mapping[str, str], simulated: bool) -> bool:

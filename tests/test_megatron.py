@@ -25,12 +25,14 @@ pytestmark = pytest.mark.skipif(not available(), reason="megatron-core is not in
 MODES = ("all-gloo", "cpu-forward", "device-direct")
 TRANSPORT_BACKENDS = {"bimetal_cpu_forward", "bimetal_device_direct"}
 RTOL = 1e-6
-TWO = {"pp2": "--pp 2 --steps 3", "vpp": "--pp 2 --vpp 2 --steps 3",
-       "vpp_batched": "--pp 2 --vpp 2 --batch-p2p --steps 3", "vpp_overlap": "--pp 2 --vpp 2 --overlap-p2p --steps 3",
-       "tied": "--pp 2 --tied --steps 3",
+# Two steps per run: the second step's loss comes after an optimizer step, so parity covers the gradients, their
+# reduction and the update; each further step would cost every (case, mode) of both jobs its time again.
+TWO = {"pp2": "--pp 2 --steps 2", "vpp": "--pp 2 --vpp 2 --steps 2",
+       "vpp_batched": "--pp 2 --vpp 2 --batch-p2p --steps 2", "vpp_overlap": "--pp 2 --vpp 2 --overlap-p2p --steps 2",
+       "tied": "--pp 2 --tied --steps 2",
        # data parallelism across the vendors: cpu-forward only (device-direct refuses it, see below)
-       "dp2_distopt@all-gloo+cpu-forward": "--dist-opt --steps 3"}
-FOUR = {"tp2_pp2": "--tp 2 --pp 2 --steps 3", "dp2_pp2_distopt": "--pp 2 --dist-opt --steps 3"}
+       "dp2_distopt@all-gloo+cpu-forward": "--dist-opt --steps 2"}
+FOUR = {"tp2_pp2": "--tp 2 --pp 2 --steps 2", "dp2_pp2_distopt": "--pp 2 --dist-opt --steps 2"}
 VENDORS = {"nvidia:1,amd:1": ["nvidia", "amd"], "nvidia:2,amd:2": ["nvidia", "nvidia", "amd", "amd"]}
 
 
@@ -195,34 +197,57 @@ def _one_sentence(proc: Any, *needles: str) -> None:
     assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
 
 
-@pytest.mark.parametrize("package, needle", [
-    ({"megatron/__init__.py": ""}, "megatron-core is not installed"),
-    ({"megatron_core-0.12.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: megatron-core\nVersion: 0.12.0\n"},
-     "megatron-core 0.12.0 is not a release"),
-])
-def test_missing_or_unsupported_megatron(tmp_path: Path, package: dict[str, str], needle: str) -> None:
-    for name, text in package.items():
-        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / name).write_text(text)
+def test_missing_megatron_through_the_command(tmp_path: Path) -> None:
+    """The command itself (exit status, the one sentence): a ``megatron`` package without megatron-core ahead on
+    PYTHONPATH."""
+    (tmp_path / "megatron").mkdir()
+    (tmp_path / "megatron" / "__init__.py").write_text("")
     env = clean_env()
     env["PYTHONPATH"] = f"{tmp_path}:{env['PYTHONPATH']}"
     proc = bimetal("megatron", "--simulate", "nvidia:1,amd:1", "--", "scripts/megatron_gpt.py", "--pp", "2",
-                   env=env, timeout=60)
-    _one_sentence(proc, needle)
+                   env=env, timeout=150)
+    _one_sentence(proc, "megatron-core is not installed")
 
 
-def test_without_simulate_or_a_launcher() -> None:
-    proc = bimetal("megatron", "--", "scripts/megatron_gpt.py", timeout=60)
-    _one_sentence(proc, "RANK is not set")
+def _refused_here(argv: list[str], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+                  *needles: str) -> None:
+    """``bimetal ARGV`` by ``bimetal.cli.main`` in this process (refused before any rank starts: no process to pay
+    for): exit status 2, one sentence naming ``needles`` on stderr, nothing on stdout."""
+    from bimetal.cli import main
+
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "BIMETAL_SIMULATE", "BIMETAL_VENDOR"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    capsys.readouterr()
+    code = main(argv)
+    out, err = capsys.readouterr()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and out == "", (code, out[-2000:], err[-2000:])
+    assert len(lines) == 1 and lines[0].startswith("bimetal megatron: ") and all(n in lines[0] for n in needles), err
 
 
-@pytest.mark.timeout(120)
+def test_unsupported_megatron_release(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    # megatron-core's metadata saying 0.12.0, found first on sys.path (as PYTHONPATH puts it for the command)
+    meta = tmp_path / "megatron_core-0.12.0.dist-info" / "METADATA"
+    meta.parent.mkdir()
+    meta.write_text("Metadata-Version: 2.1\nName: megatron-core\nVersion: 0.12.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    _refused_here(["megatron", "--simulate", "nvidia:1,amd:1", "--", "scripts/megatron_gpt.py", "--pp", "2"], capsys,
+                  monkeypatch, "megatron-core 0.12.0 is not a release")
+
+
+def test_without_simulate_or_a_launcher(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    _refused_here(["megatron", "--", "scripts/megatron_gpt.py"], capsys, monkeypatch, "RANK is not set")
+
+
+@pytest.mark.timeout(300)
 def test_a_layout_megatron_refuses() -> None:
-    proc = bimetal("megatron", "--simulate", "nvidia:1", "--", "scripts/megatron_gpt.py", "--tp", "2", timeout=100)
+    proc = bimetal("megatron", "--simulate", "nvidia:1", "--", "scripts/megatron_gpt.py", "--tp", "2", timeout=250)
     _one_sentence(proc, "megatron-core refused the layout", "not divisible by 2")
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_initialize_after_megatron_built_its_groups(tmp_path: Path) -> None:
     script = tmp_path / "wrong_order.py"
     script.write_text(textwrap.dedent('''\
@@ -236,5 +261,5 @@ def test_initialize_after_megatron_built_its_groups(tmp_path: Path) -> None:
         parallel_state.initialize_model_parallel()
         bimetal_megatron.initialize()
         '''))
-    proc = bimetal("launch", "--simulate", "nvidia:1", "--", str(script), timeout=100)
+    proc = bimetal("launch", "--simulate", "nvidia:1", "--", str(script), timeout=250)
     _one_sentence(proc, "initialize_model_parallel already ran", "before it")

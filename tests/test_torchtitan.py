@@ -1,9 +1,10 @@
 """torchtitan 0.3.0's own trainer on bimetal (``bimetal titan``), on simulated vendors, against Gloo.
 
 The reference for every mixed run is the same torchtitan run with every group on plain Gloo
-(``--all-gloo``): per-step losses must be identical. The runs go through the commands users type
-(``bimetal titan --simulate`` once; ``bimetal launch ... -m bimetal.integrations.torchtitan`` for the
-others, which skips the launcher's config check to save time). Each rank writes
+(``--all-gloo``): per-step losses must be identical. The runs go through the commands users type: ``bimetal titan
+--simulate`` (its launcher imports torchtitan once, checking the config, and forks the ranks with it imported), and
+``bimetal launch ... -m bimetal.integrations.torchtitan`` for the resumed run (each rank imports torchtitan itself,
+as under torchrun). Each rank writes
 ``<dump>/bimetal/rank<r>.json``: losses, and each mesh dimension's back-end, ranks and byte counters.
 """
 
@@ -99,14 +100,17 @@ def test_mesh_rules_without_a_process_group() -> None:
         preflight({"pp": 1, "dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 4}, vendors, "cpu-forward", True)
 
 
-def test_plan_writes_a_torchtitan_run(tmp_path: Path) -> None:
+def test_plan_writes_a_torchtitan_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The plan is written in this process (``bimetal.cli.main``: it starts no rank); its refusal goes through the
+    command, for the exit status and the one sentence."""
     import tomllib
 
+    from bimetal.cli import main
     from bimetal.integrations.torchtitan.cli import _plan_args
 
     out = tmp_path / "titan.toml"
-    proc = _run(["plan", "configs/clusters/h100_mi300x.toml", "--model", "llama3-8b", "--write-titan", str(out)], 60)
-    assert proc.returncode == 0, proc.stderr
+    cluster = str(Path(__file__).resolve().parents[1] / "configs/clusters/h100_mi300x.toml")
+    assert main(["plan", cluster, "--model", "llama3-8b", "--write-titan", str(out)]) == 0, capsys.readouterr().err
     doc = tomllib.loads(out.read_text())
     tt, bm = doc["torchtitan"], doc["bimetal"]
     pp, dp, tp = (tt[f"parallelism.{k}_degree"]
@@ -120,7 +124,7 @@ def test_plan_writes_a_torchtitan_run(tmp_path: Path) -> None:
     args = _plan_args(doc, ["--training.seq_len=64"])
     assert f"--parallelism.pipeline_parallel_degree={pp}" in args and "--module=llama3" in args
     assert not any(a.startswith("--training.seq_len") for a in args)  # the command line wins over the file
-    bad = _run(["plan", "configs/clusters/h100_mi300x.toml", "--model", "qwen2-7b", "--write-titan", str(out)], 60)
+    bad = _run(["plan", "configs/clusters/h100_mi300x.toml", "--model", "qwen2-7b", "--write-titan", str(out)], 150)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad.stderr
 
 
@@ -237,8 +241,8 @@ def test_pipeline_with_tensor_parallelism_matches_gloo(tmp_path: Path, assets: l
     args = [*COMMON, *assets, "--training.steps=2", "--checkpoint.no-enable",
             "--parallelism.pipeline_parallel_degree=2", "--parallelism.tensor_parallel_degree=2",
             "--parallelism.pipeline_parallel_schedule=GPipe", "--layers-per-stage=4,2"]
-    # the reference through `bimetal launch` (no launcher-side config check), the mixed run as a user types it
-    ref = _losses(_launch("nvidia:2,amd:2", ["--all-gloo", *args], tmp_path / "gloo"))
+    # both as a user types them: `bimetal titan` imports torchtitan once in its launcher, not in every rank
+    ref = _losses(_titan("nvidia:2,amd:2", ["--all-gloo", *args], tmp_path / "gloo"))
     proc = _run(["titan", "--simulate", "nvidia:2,amd:2", *args, f"--dump_folder={tmp_path / 'mixed'}"], 300)
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
     mixed = _reports(tmp_path / "mixed")

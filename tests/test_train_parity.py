@@ -1,13 +1,13 @@
 """The main job is correct: pp=2 x dp=2 across simulated vendors trains exactly like one process.
 
 Scenarios (one row each, below): the debug LLaMA-3 of ``configs/demo.toml`` with its uneven split [3, 1],
-20 steps, run as 4 ranks (``--simulate nvidia:2,amd:2``: stage 0 on the two "nvidia" ranks, stage 1 on the
+10 steps, run as 4 ranks (``--simulate nvidia:2,amd:2``: stage 0 on the two "nvidia" ranks, stage 1 on the
 two "amd" ranks, the pipeline groups cross vendors over the transport of the row) and as a single process
 with the same global batch (dp 2 x 8 rows of 64 tokens) and the same 2-row microbatches. Checked at every step: the
-losses agree within 1e-5 relative (float32 on CPU); after step 20 every weight tensor agrees within 1e-5
+losses agree within 1e-5 relative (float32 on CPU); after step 10 every weight tensor agrees within 1e-5
 relative (norm of the difference over the norm), and the HF export (both stages gathered into one model)
-holds exactly the final checkpoint's weights. Resume: the 4-rank run restarted from its step-10
-checkpoint gives the same losses at steps 11-20 as the uninterrupted run, bit for bit. A checkpoint of
+holds exactly the final checkpoint's weights. Resume: the 4-rank run restarted from its step-5
+checkpoint gives the same losses at steps 6-10 as the uninterrupted run, bit for bit. A checkpoint of
 another model is refused with one sentence and exit status 2.
 
 The tensor-parallel row is pp=2 x tp=2 (each stage one vendor, its two ranks splitting every block, the
@@ -33,7 +33,12 @@ ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "configs" / "demo.toml"
 EXE = str(Path(sys.executable).parent / "bimetal")
 SEQ = 64  # half the demo's 128: the same model and corpus, half the CPU time
-COMMON = ["--training.steps=20", "--checkpoint.every=10", "--metrics.log_every=100", f"--data.seq_len={SEQ}"]
+# Steps of the pipelined runs and their reference (what is checked holds at every step; 10 steps take the loss down by
+# more than a nat), the checkpoint resumed, and the steps of the runs held against the reference's first steps
+# (gradient accumulation, hierarchical dp).
+STEPS, RESUME_AT, SHORT = 10, 5, 5
+COMMON = [f"--training.steps={STEPS}", f"--checkpoint.every={RESUME_AT}", "--metrics.log_every=100",
+          f"--data.seq_len={SEQ}"]
 SINGLE = ["--parallel.pp=1", "--parallel.dp=1", "--parallel.layers_per_stage=[]", "--data.batch_size=16",
           "--parallel.microbatches=8"]
 RTOL = 1e-5
@@ -77,7 +82,7 @@ def _losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
 
 
-def _weights(run_dir: Path, step: int = 20) -> dict[str, torch.Tensor]:
+def _weights(run_dir: Path, step: int = STEPS) -> dict[str, torch.Tensor]:
     """Model weights of a saved step, every stage merged under the whole model's parameter names."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -123,17 +128,17 @@ def pipelined(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
 def test_pipeline_matches_single_process(single: Path, pipelined: tuple[str, Path, str, tuple[str, ...]]) -> None:
     transport, run, stdout, _ = pipelined
     ref, got = _losses(single), _losses(run)
-    assert sorted(got) == sorted(ref) == list(range(1, 21))
+    assert sorted(got) == sorted(ref) == list(range(1, STEPS + 1))
     for step in ref:
         assert abs(got[step] - ref[step]) <= RTOL * abs(ref[step]), (step, got[step], ref[step])
-    assert got[20] < got[1] - 1.0  # it learns: 20 steps take the byte-level loss down by more than a nat
+    assert got[STEPS] < got[1] - 1.0  # it learns: 10 steps take the byte-level loss down by more than a nat
     w_ref, w_got = _weights(single), _weights(run)
     assert sorted(w_got) == sorted(w_ref)
     for name, t in w_ref.items():
         assert float((w_got[name] - t).norm() / t.norm()) <= RTOL, name
     # The group table shows cross-vendor pipeline groups on the transport asked for; the summary counts at
     # least the pipeline payload - 2 groups x 4 microbatches x (activation + gradient) of 2xSEQx128 floats,
-    # 20 steps - and, from a bimetal transport's own counters, little more (loss broadcast, clip all-reduce).
+    # every step - and, from a bimetal transport's own counters, little more (loss broadcast, clip all-reduce).
     # With tp=2 the same payload: 2 groups (one per tp rank) x 8 microbatches x half of 2xSEQx128 floats.
     backend = {"cpu-forward": "bimetal_cpu_forward", "device-direct": "bimetal_device_direct"}[transport]
     assert any(line.startswith("pp.dp0") and "cross-vendor" in line and backend in line for line in
@@ -144,8 +149,8 @@ def test_pipeline_matches_single_process(single: Path, pipelined: tuple[str, Pat
     exported = dict(from_hf(run.with_name("hf")).named_parameters())
     assert sorted(exported) == sorted(w_got) and all(torch.equal(exported[n], w_got[n]) for n in w_got)
     summary = json.loads((run / "summary.json").read_text())
-    payload = 20 * 2 * 4 * 2 * (2 * SEQ * 128 * 4)
-    assert payload <= summary["xvendor_bytes"] <= payload + 20 * 4096 and summary["pp_transport"] == backend
+    payload = STEPS * 2 * 4 * 2 * (2 * SEQ * 128 * 4)
+    assert payload <= summary["xvendor_bytes"] <= payload + STEPS * 4096 and summary["pp_transport"] == backend
     assert summary["xvendor_source"] == "pp: transport counters"
 
 
@@ -158,19 +163,20 @@ def test_state_bytes_per_rank_match_dry_run(pipelined: tuple[str, Path, str, tup
     assert_state_matches_dry_run(run, DEMO, [*COMMON, *layout], 4)
 
 
-def test_resume_after_step_10_is_identical(pipelined: tuple[str, Path, str, tuple[str, ...]], tmp_path: Path
-                                           ) -> None:
+def test_resume_after_step_5_is_identical(pipelined: tuple[str, Path, str, tuple[str, ...]], tmp_path: Path
+                                          ) -> None:
     transport, run, _, layout = pipelined
     if transport == "device-direct":
         pytest.skip("resume is checked once, on the cpu-forward row; it does not depend on the transport")
     resumed = tmp_path / "run"
     (resumed / "checkpoints").mkdir(parents=True)
-    shutil.copytree(run / "checkpoints" / "step-000010", resumed / "checkpoints" / "step-000010")
+    ckpt = f"step-{RESUME_AT:06d}"
+    shutil.copytree(run / "checkpoints" / ckpt, resumed / "checkpoints" / ckpt)
     r = _train(resumed, f"--parallel.pp_transport={transport}", *layout, "--resume", simulate=True)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert "resumed from" in r.stdout
     full, again = _losses(run), _losses(resumed)
-    assert sorted(again) == list(range(11, 21))
+    assert sorted(again) == list(range(RESUME_AT + 1, STEPS + 1))
     assert all(again[s] == full[s] for s in again), [(s, again[s], full[s]) for s in again]
 
 
@@ -185,10 +191,10 @@ def test_gradient_accumulation_matches_one_big_batch(single: Path, tmp_path: Pat
     # 2 accumulation steps of 8 rows read the same 16 windows as one batch of 16, in the same 2-row microbatches.
     run = tmp_path / "run"
     r = _train(run, *SINGLE, "--data.batch_size=8", "--parallel.microbatches=4", "--optim.grad_accum=2",
-               "--training.steps=10")
+               f"--training.steps={SHORT}")
     assert r.returncode == 0, r.stderr[-3000:]
     ref, got = _losses(single), _losses(run)
-    assert sorted(got) == list(range(1, 11))
+    assert sorted(got) == list(range(1, SHORT + 1))
     assert all(abs(got[s] - ref[s]) <= RTOL * abs(ref[s]) for s in got), [(s, got[s], ref[s]) for s in got]
 
 
@@ -200,11 +206,11 @@ def test_dp_across_vendors_hierarchical_matches_single_process(single: Path, tmp
     run = tmp_path / "run"
     r = _train(run, "--parallel.pp=1", "--parallel.dp=4", "--parallel.layers_per_stage=[]",
                "--parallel.microbatches=2", "--data.batch_size=4", "--parallel.allow_cross_vendor_dp=true",
-               "--parallel.dp_transport=cpu-forward", "--training.steps=10", simulate=True)
+               "--parallel.dp_transport=cpu-forward", f"--training.steps={SHORT}", simulate=True)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert "dp.stage0.cross0" in r.stdout and "hierarchical" in r.stdout
     ref, got = _losses(single), _losses(run)
-    assert sorted(got) == list(range(1, 11))
+    assert sorted(got) == list(range(1, SHORT + 1))
     assert all(abs(got[s] - ref[s]) <= RTOL * abs(ref[s]) for s in got), [(s, got[s], ref[s]) for s in got]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["xvendor_bytes"] > 0 and summary["dp_cross_vendor_transport"].endswith("(hierarchical)")

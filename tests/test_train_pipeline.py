@@ -1,4 +1,7 @@
-"""Two-stage pipeline (uneven split) over Gloo matches a single-process run, for 1F1B and GPipe."""
+"""Two-stage pipeline (uneven split) over Gloo matches a single-process run, for 1F1B and GPipe.
+
+One spawned pair of ranks runs both schedules one after the other on its Gloo group, so the two
+interpreter starts are paid once for the module; each schedule is still its own test."""
 
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ from torch import nn
 
 from bimetal.train.pipeline import PipelineRunner, stage_layer_ids
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = pytest.mark.timeout(200)  # both schedules run in the first test's fixture; a loaded machine is slow
 DIM, MB, N_MB, LAYERS = 8, 2, 4, 4
 
 
@@ -31,12 +34,16 @@ def _mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return ((out - y) ** 2).mean()
 
 
-def _rank(rank: int, port: int, schedule: str, out: str) -> None:
+SCHEDULES = ("1f1b", "gpipe")
+
+
+def _rank(rank: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
-        _stage_step(rank, schedule, out)
+        for schedule in SCHEDULES:
+            _stage_step(rank, schedule, out)
     finally:
         dist.destroy_process_group()
     # the stage and its schedule hold the group in a reference cycle: tests/launcher.py collects it before exit
@@ -51,7 +58,7 @@ def _stage_step(rank: int, schedule: str, out: str) -> None:
     x, y = _data()
     loss = runner.step(x if rank == 0 else None, y if rank == 1 else None)
     grads = {f"{i}": _grad(p).clone() for i, p in enumerate(mod.parameters())}
-    torch.save({"loss": loss, "grads": grads}, Path(out) / f"r{rank}.pt")
+    torch.save({"loss": loss, "grads": grads}, Path(out) / f"{schedule}-r{rank}.pt")
 
 
 def _grad(p: torch.Tensor) -> torch.Tensor:
@@ -59,14 +66,21 @@ def _grad(p: torch.Tensor) -> torch.Tensor:
     return p.grad
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
-def test_pipeline_matches_single_process(schedule: str, tmp_path: Path) -> None:
-    spawn(_rank, (free_port(), schedule, str(tmp_path)))
+@pytest.fixture(scope="module")
+def stages(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The folder where both ranks saved, per schedule, their loss and their stage's gradients."""
+    out = tmp_path_factory.mktemp("pipeline")
+    spawn(_rank, (free_port(), str(out)))
+    return out
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_pipeline_matches_single_process(schedule: str, stages: Path) -> None:
     layers = _layers()
     x, y = _data()
     ref = torch.stack([_mse(nn.Sequential(*layers)(xc), yc) for xc, yc in zip(x.chunk(N_MB), y.chunk(N_MB))])
     ref.mean().backward()
-    r0, r1 = torch.load(tmp_path / "r0.pt"), torch.load(tmp_path / "r1.pt")
+    r0, r1 = torch.load(stages / f"{schedule}-r0.pt"), torch.load(stages / f"{schedule}-r1.pt")
     assert torch.allclose(r0["loss"], ref.mean().detach(), rtol=1e-5) and torch.equal(r0["loss"], r1["loss"])
     ref_grads = [_grad(p) for i in range(3) for p in layers[i].parameters()]
     assert all(torch.allclose(g, r, rtol=1e-5, atol=1e-7) for g, r in zip(r0["grads"].values(), ref_grads))

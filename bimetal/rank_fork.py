@@ -108,11 +108,13 @@ def fork_rank(rank_argv: list[str], env: dict[str, str], pipes: bool, in_child: 
     # Every object this process holds now goes to the collector's permanent generation: the rank's collections
     # (each full one, and the one at its exit) then walk only its own objects, not the launcher's torch modules
     # (about 0.2 s of CPU each, and a copy of every page they touch); the collector's docs advise this before a fork.
+    # This process takes its objects back at once: it collects as before.
     gc.freeze()
     with guard if guard is not None else contextlib.nullcontext():
         pid = os.fork()
     if pid == 0:  # the child: never returns
         _child(rank_argv, env, (out_r, out_w, err_r, err_w) if pipes else None, in_child)
+    gc.unfreeze()
     if pipes:
         os.close(out_w)
         os.close(err_w)

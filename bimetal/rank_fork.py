@@ -13,7 +13,9 @@ torchrun does. What differs from a new interpreter, and why it does not matter t
 launcher imported are already imported (bimetal keeps no per-process state at import that depends on the
 rank's environment: its caches hold facts of the machine), and variables a library reads only when it is
 loaded keep the launcher's value, except ``OMP_NUM_THREADS``, which the child applies to torch itself (the
-thread count decides how float sums are split, so the ranks' numbers depend on it).
+thread count decides how float sums are split, so the ranks' numbers depend on it). The objects the launcher
+held at the fork are in the garbage collector's permanent generation in the rank (``gc.freeze``): its
+collections walk only what the rank made.
 
 A fork copies only the thread that forks: a lock any other thread of the launcher held at that instant stays
 held in the child, for ever. So the supervisor forks its ranks while it has no other thread (the attempt's store

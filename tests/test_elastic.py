@@ -17,6 +17,7 @@ import pytest
 import torch.distributed as dist
 from launcher import clean_env
 
+from bimetal.parallel import job
 from bimetal.parallel.job import ROUND, Job, World, restart_line
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,9 +44,11 @@ def test_restart_line_names_what_was_lost_or_joined_and_the_steps_redone() -> No
                                                         "redone (the job had finished step 3).")
 
 
-def test_ranks_of_a_round_agree_on_its_keys_past_an_earlier_rounds_token() -> None:
+def test_ranks_of_a_round_agree_on_its_keys_past_an_earlier_rounds_token(monkeypatch: pytest.MonkeyPatch) -> None:
     """The store still names the round before (its rank 0 is gone); rank 1 starts first and reads that token,
-    gets no answer and reads again once this round's rank 0 has published its own: both take the new prefix."""
+    gets no answer and reads again once this round's rank 0 has published its own: both take the new prefix.
+    A rank reads the token again after 0.2 s instead of 2 s here (the waits are the test's whole wall)."""
+    monkeypatch.setattr(job, "_RETRY_S", 0.2)
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     old = "bimetal/round/" + "0" * 32
     server.set(ROUND, old[len("bimetal/round/"):])
@@ -58,7 +61,7 @@ def test_ranks_of_a_round_agree_on_its_keys_past_an_earlier_rounds_token() -> No
     late = [threading.Thread(target=rank, args=(r,)) for r in (1, 2)]
     for t in late:
         t.start()
-    threading.Event().wait(2.5)  # longer than one wait for rank 0's answer: they read the old token again
+    threading.Event().wait(0.6)  # longer than one wait for rank 0's answer: they read the old token again
     zero = threading.Thread(target=rank, args=(0,))
     zero.start()
     for t in (*late, zero):

@@ -4,8 +4,9 @@
   checkpoint by itself, and the loss at the final step equals that of an uninterrupted run; metrics.jsonl
   holds each step once. A damaged newest checkpoint is skipped by ``--resume`` with one sentence.
 * Without restarts, every surviving rank stops with one sentence naming its step, the phase and the group, soon
-  enough after the fault that ``parallel.timeout_s`` (10 s), not the default 120 s, was what ended its wait
-  (and, on bimetal transports, the peer and sequence number); none hangs.
+  enough after the fault that ``parallel.timeout_s`` (6 s), not the default 120 s, was what ended its wait
+  (and, on bimetal transports, the peer and sequence number); none hangs. These ranks run with no launcher
+  watching them (``forked_ranks.py``), so nothing but their own timeouts stops them.
 """
 
 from __future__ import annotations
@@ -20,15 +21,19 @@ import pytest
 from launcher import bimetal, clean_env, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
+HERE = Path(__file__).resolve().parent
 pytestmark = pytest.mark.timeout(240)
-STEPS = 10
+STEPS = 7  # checkpoints of steps 3, 6 and 7 (the last): one more than keep_last=2 keeps
 TIMEOUT_S = 10
-COMMON = ["--config", str(ROOT / "configs" / "demo.toml"), f"--training.steps={STEPS}", "--data.seq_len=64",
-          "--metrics.log_every=1", f"--parallel.timeout_s={TIMEOUT_S}"]
+STALL_TIMEOUT_S = 6
+"""The collectives' timeout where a survivor's wait for a dead or stalled peer is what ends it (the wall counts)."""
+COMMON = ["--config", str(ROOT / "configs" / "demo.toml"), f"--training.steps={STEPS}", "--data.seq_len=32",
+          "--metrics.log_every=1"]
 
 
 def _train(run_dir: Path, extra_env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
-    return bimetal("train", *COMMON, "--simulate", "nvidia:2,amd:2", "--checkpoint.every=4",
+    return bimetal("train", *COMMON, f"--parallel.timeout_s={TIMEOUT_S}", "--simulate", "nvidia:2,amd:2",
+                   "--checkpoint.every=3",
                    f"--metrics.run_dir={run_dir}", *args, env=clean_env(**extra_env), timeout=200)
 
 
@@ -44,28 +49,28 @@ def _steps_logged(run_dir: Path) -> list[int]:
 def test_killed_rank_restarts_and_reaches_the_same_final_loss(tmp_path: Path) -> None:
     ref = _train(tmp_path / "ref", {})
     assert ref.returncode == 0, ref.stderr[-2000:]
-    # rank 3 (AMD, last stage) dies after step 6; the checkpoint of step 4 is the newest complete one
-    hurt = _train(tmp_path / "hurt", {"BIMETAL_FAULT_KILL": "3:6"}, "--max-restarts=1", "--checkpoint.keep_last=2")
+    # rank 3 (AMD, last stage) dies after step 5; the checkpoint of step 3 is the newest complete one
+    hurt = _train(tmp_path / "hurt", {"BIMETAL_FAULT_KILL": "3:5"}, "--max-restarts=1", "--checkpoint.keep_last=2")
     out = hurt.stdout + hurt.stderr
     assert hurt.returncode == 0, out[-3000:]
-    assert "rank 3 kills itself after step 6" in out
-    assert "resumed from" in out and "step-000004 at step 4" in out, out[-3000:]
+    assert "rank 3 kills itself after step 5" in out
+    assert "resumed from" in out and "step-000003 at step 3" in out, out[-3000:]
     (line,) = [ln for ln in out.splitlines() if ln.startswith("bimetal restart:")]
     assert ": no node lost: the same 4 ranks on " in line and line.endswith("), 2 steps redone (the job had finished "
-                                                                           "step 6)."), line
+                                                                           "step 5)."), line
     assert _loss_at(tmp_path / "hurt", STEPS) == pytest.approx(_loss_at(tmp_path / "ref", STEPS), rel=1e-5)
-    # the replayed steps 5-6 replaced their first records; the summary starts at the run's step 1
+    # the replayed steps 4-5 replaced their first records; the summary starts at the run's step 1
     assert _steps_logged(tmp_path / "hurt") == list(range(1, STEPS + 1))
     summary = json.loads((tmp_path / "hurt" / "summary.json").read_text())
     assert summary["first_step"] == 1 and summary["loss_start"] == pytest.approx(_loss_at(tmp_path / "ref", 1))
-    # keep_last=2: of the checkpoints of steps 4, 8 and 10 the two newest are left
+    # keep_last=2: of the checkpoints of steps 3, 6 and 7 the two newest are left
     ckpts = tmp_path / "hurt" / "checkpoints"
-    assert sorted(p.name for p in ckpts.iterdir()) == ["step-000008", "step-000010"]
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step-000006", "step-000007"]
 
     # The newest checkpoint is damaged in place (bytes changed, size kept: only the ranks of stage 1, which read
     # that file, find it, by its checksum): --resume says so in one sentence, and every rank goes on from the one
-    # before it, to the same final loss, logging steps 9-10 once. (Files cut short: test_nothing_lost.py.)
-    data = max((ckpts / "step-000010" / "stage1").glob("*.distcp"), key=lambda f: f.stat().st_size)
+    # before it, to the same final loss, logging step 7 once. (Files cut short: test_nothing_lost.py.)
+    data = max((ckpts / "step-000007" / "stage1").glob("*.distcp"), key=lambda f: f.stat().st_size)
     raw = bytearray(data.read_bytes())
     raw[len(raw) // 2] ^= 0xFF
     data.write_bytes(bytes(raw))
@@ -73,51 +78,60 @@ def test_killed_rank_restarts_and_reaches_the_same_final_loss(tmp_path: Path) ->
     out = again.stdout + again.stderr
     assert again.returncode == 0 and "Traceback" not in out, out[-3000:]
     warned = [line for line in out.splitlines() if "is damaged" in line]
-    assert len(warned) == 1 and "step-000010 is damaged (stage1/" in warned[0], out[-3000:]
-    assert warned[0].endswith("resuming from step-000008 instead."), warned
-    assert "step-000008 at step 8" in out, out[-3000:]
+    assert len(warned) == 1 and "step-000007 is damaged (stage1/" in warned[0], out[-3000:]
+    assert warned[0].endswith("resuming from step-000006 instead."), warned
+    assert "step-000006 at step 6" in out, out[-3000:]
     assert _steps_logged(tmp_path / "hurt") == list(range(1, STEPS + 1))
     assert _loss_at(tmp_path / "hurt", STEPS) == pytest.approx(_loss_at(tmp_path / "ref", STEPS), rel=1e-5)
 
 
-def _start_ranks(run_dir: Path, fault: dict[str, str]) -> list[subprocess.Popen]:
-    """The four ranks as plain processes (no torchrun agent, which would SIGTERM the survivors at once)."""
-    base = clean_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="4", LOCAL_WORLD_SIZE="4",
-                     BIMETAL_SIMULATE="nvidia:2,amd:2", **fault)
-    procs = []
-    for r in range(4):
-        env = dict(base, RANK=str(r), LOCAL_RANK=str(r))
-        procs.append(subprocess.Popen([sys.executable, "-m", "bimetal.train", *COMMON, f"--metrics.run_dir={run_dir}"],
-                                      env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    return procs
+def _start_ranks(run_dir: Path, fault: dict[str, str]) -> subprocess.Popen:
+    """The four ranks as bare processes, with no launcher watching them (bimetal's launcher and torchrun's agent
+    would stop the survivors at once): forks of one interpreter that imported the trainer once
+    (``forked_ranks.py``), which prints ``<rank> <status>`` as each ends; each rank's stderr is
+    ``run_dir/ranks/rank<R>.err``."""
+    env = clean_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="4", LOCAL_WORLD_SIZE="4",
+                    BIMETAL_SIMULATE="nvidia:2,amd:2", **fault)
+    return subprocess.Popen([sys.executable, str(HERE / "forked_ranks.py"), "4", str(run_dir / "ranks"), "--",
+                             "-m", "bimetal.train", *COMMON, f"--parallel.timeout_s={STALL_TIMEOUT_S}",
+                             f"--metrics.run_dir={run_dir}"],
+                            env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def _survivors_stop(procs: list[subprocess.Popen], victim: int, started: float) -> dict[int, str]:
+def _survivors_stop(ranks: subprocess.Popen, run_dir: Path, victim: int, started: float) -> dict[int, str]:
     """Wait for every rank but ``victim``; each must exit non-zero in time with a one-sentence reason."""
-    errors = {}
+    errors: dict[int, str] = {}
+    codes: dict[int, int] = {}
     try:
-        for r, p in enumerate(procs):
-            if r == victim:
-                continue
-            _, err = p.communicate(timeout=200)
-            waited = time.monotonic() - started
-            assert p.returncode == 1, f"rank {r} exited {p.returncode}: {err[-2000:]}"
-            # the fault comes after start-up and 3 steps (5 s on an idle machine, a minute on a loaded one), and the
-            # survivors stop TIMEOUT_S after it: far sooner than the 120 s of the default timeout after the fault,
-            # which is what this tells apart (how fast the machine is, it does not)
-            assert waited < TIMEOUT_S + 100, f"rank {r} took {waited:.0f} s after the start"
+        assert ranks.stdout is not None
+        while len(codes) < 3:
+            line = ranks.stdout.readline()  # the test's timeout bounds this wait
+            if not line:
+                break
+            rank, code = map(int, line.split())
+            if rank != victim:  # a killed victim ends too (-9); a stalled one is killed below
+                codes[rank] = code
+        waited = time.monotonic() - started
+        assert sorted(codes) == [r for r in range(4) if r != victim], (codes, ranks.stderr.read()[-2000:]
+                                                                       if ranks.poll() is not None else "")
+        # the fault comes after start-up and 3 steps (5 s on an idle machine, a minute on a loaded one), and the
+        # survivors stop STALL_TIMEOUT_S after it: far sooner than the 120 s of the default timeout after the fault,
+        # which is what this tells apart (how fast the machine is, it does not)
+        assert waited < STALL_TIMEOUT_S + 100, f"the survivors took {waited:.0f} s after the start"
+        for r, code in codes.items():
+            err = (run_dir / "ranks" / f"rank{r}.err").read_text()
+            assert code == 1, f"rank {r} exited {code}: {err[-2000:]}"
             assert "Traceback" not in err, err[-2000:]
             errors[r] = err.strip().splitlines()[-1]
     finally:
-        for p in procs:
-            p.kill()
-            p.wait()
+        ranks.kill()  # and with it any rank still running (its parent-death signal)
+        ranks.communicate()
     return errors
 
 
 def test_killed_rank_without_restarts_stops_every_survivor_with_a_reason(tmp_path: Path) -> None:
     t0 = time.monotonic()
-    errors = _survivors_stop(_start_ranks(tmp_path / "run", {"BIMETAL_FAULT_KILL": "3:3"}), 3, t0)
+    errors = _survivors_stop(_start_ranks(tmp_path / "run", {"BIMETAL_FAULT_KILL": "3:3"}), tmp_path / "run", 3, t0)
     for r, line in errors.items():
         assert line.startswith(f"bimetal train: rank {r} stopped in step 4 during the "), line
         assert "on group '" in line, line
@@ -145,7 +159,8 @@ def test_rank_killed_while_a_checkpoint_is_written_is_named_and_the_rest_stopped
 
 def test_stalled_rank_stops_every_survivor_within_the_timeout(tmp_path: Path) -> None:
     t0 = time.monotonic()
-    errors = _survivors_stop(_start_ranks(tmp_path / "run", {"BIMETAL_FAULT_STALL": "3:3:300"}), 3, t0)
-    assert "did not complete within 10 s" in errors[1] and "with peer 3" in errors[1], errors[1]
+    errors = _survivors_stop(_start_ranks(tmp_path / "run", {"BIMETAL_FAULT_STALL": "3:3:300"}), tmp_path / "run", 3,
+                             t0)
+    assert f"did not complete within {STALL_TIMEOUT_S} s" in errors[1] and "with peer 3" in errors[1], errors[1]
     for r, line in errors.items():
         assert f"rank {r} stopped in step 4" in line, line

@@ -1,24 +1,25 @@
 """Sharded data parallel (FSDP2/HSDP) and activation checkpointing train exactly like one process.
 
 Scenarios, one run each, all on the parity harness of ``test_train_parity`` (debug LLaMA-3 of
-``configs/demo.toml``, split [3, 1], seq 64, float32 on CPU, fixed seed), compared at every step with one
-single-process run of the same global batch within 1e-5 relative:
+``configs/demo.toml``, split [3, 1], float32 on CPU, fixed seed) at half its steps and sequence length (10 steps
+of 32 tokens: a run's cost is mostly its start), compared at every step with one single-process run of the same
+global batch within 1e-5 relative:
 
 * ``fsdp-cpu-forward``: pp=2 x dp=2 with dp_shard=2 (each stage fully sharded inside its vendor), 1F1B over
-  cpu-forward; rank 3 is SIGKILLed after step 12 and torchrun restarts the job, which resumes from the
-  sharded step-10 checkpoint; it also exports the HF model;
+  cpu-forward; rank 3 is SIGKILLed after step 6 and torchrun restarts the job, which resumes from the
+  sharded step-5 checkpoint; it also exports the HF model;
 * ``fsdp-device-direct``: the same layout and schedule over device-direct, uninterrupted: the killed run
   equals it bit for bit at every step, before and after the kill (resume after a kill is exact);
 * ``ac-full``: pp=2 x dp=2 replicated with activation checkpointing on every block, and two gradient
   accumulation steps per optimizer step (a pipeline once scaled the first one's gradients twice); its
   per-rank optimizer state (read by the trainer from the state tensors) is the reference the sharded run
   must halve;
-* ``hsdp-across-vendors``: pp=1 x dp=4 with dp_shard=2 on nvidia:2,amd:2: shard groups are the vendor
+* ``hsdp-across-vendors``: pp=1 x dp=4 with dp_shard=2 on nvidia:2,amd:2, 5 steps: shard groups are the vendor
   islands on the native back-end, the replicate all-reduce crosses vendors on cpu-forward.
 
-* ``hsdp-8-ranks``: pp=2 x (replicate 2 x shard 2) on nvidia:4,amd:4, 10 steps (8 ranks cost about as much
+* ``hsdp-8-ranks``: pp=2 x (replicate 2 x shard 2) on nvidia:4,amd:4, 5 steps (8 ranks cost about as much
   as 4 here: the stage compute is split over twice the ranks);
-* ``fsdp-tp-8-ranks``: pp=2 x (shard 2 x tp 2) on nvidia:4,amd:4, 10 steps: FSDP over the dp dimension of
+* ``fsdp-tp-8-ranks``: pp=2 x (shard 2 x tp 2) on nvidia:4,amd:4, 5 steps: FSDP over the dp dimension of
   the mesh whose tp dimension tensor parallelism splits over (the ready H100 + MI300X configs' shape), with
   its HF export.
 """
@@ -33,19 +34,23 @@ from pathlib import Path
 import pytest
 import torch
 from test_dryrun import assert_state_matches_dry_run
-from test_train_parity import COMMON, DEMO, EXE, RTOL, SINGLE, _transport_missing
+from test_train_parity import DEMO, EXE, RTOL, SINGLE, _transport_missing
 
 from bimetal.errors import UserError
 from bimetal.train import checkpoint
 from bimetal.train.shards import assemble
 
 pytestmark = pytest.mark.timeout(300)
+STEPS, SHORT = 10, 5
+"""Steps of the 4-rank pipelined runs (checkpoints of steps 5 and 10) and of the others (HSDP, 8 ranks)."""
+COMMON = [f"--training.steps={STEPS}", f"--checkpoint.every={SHORT}", "--metrics.log_every=100", "--data.seq_len=32"]
+"""``test_train_parity``'s harness at half its steps and sequence length: a run's cost is mostly its start."""
 FSDP = ["--parallel.dp_shard=2", "--parallel.schedule=1f1b"]
 AC_FULL = ["--activation_checkpoint.mode=full", "--optim.grad_accum=2", "--data.batch_size=4",
            "--parallel.microbatches=2"]
 HSDP = ["--parallel.pp=1", "--parallel.dp=4", "--parallel.dp_shard=2", "--parallel.layers_per_stage=[]",
         "--parallel.microbatches=2", "--data.batch_size=4", "--parallel.allow_cross_vendor_dp=true",
-        "--parallel.dp_transport=cpu-forward", "--training.steps=10"]
+        "--parallel.dp_transport=cpu-forward", f"--training.steps={SHORT}"]
 
 
 def _train(run_dir: Path, *args: str, simulate: str | None = "nvidia:2,amd:2", env: dict[str, str] | None = None
@@ -64,7 +69,7 @@ def _rows(run_dir: Path) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
 
 
-def _assert_parity(ref: Path, run: Path, steps: int = 20) -> None:
+def _assert_parity(ref: Path, run: Path, steps: int = STEPS) -> None:
     want = dict(_rows(ref))
     got = _rows(run)
     assert sorted(dict(got)) == list(range(1, steps + 1))
@@ -78,7 +83,7 @@ def _flat(tree: object, prefix: str = "") -> dict[str, object]:
     return {prefix: tree}
 
 
-def _stage_weights(run: Path, step: int = 20) -> dict[str, torch.Tensor]:
+def _stage_weights(run: Path, step: int = STEPS) -> dict[str, torch.Tensor]:
     """Every stage's model weights at ``step``, reassembled from the shard parts with their JSON layout."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -121,7 +126,7 @@ def fsdp_killed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
         pytest.skip(f"cpu-forward not testable: {why}")
     run = tmp_path_factory.mktemp("fsdp-cf") / "run"
     r = _train(run, *FSDP, "--parallel.pp_transport=cpu-forward", f"--checkpoint.export_hf={run.with_name('hf')}",
-               "--max-restarts=1", env={"BIMETAL_FAULT_KILL": "3:12"})
+               "--max-restarts=1", env={"BIMETAL_FAULT_KILL": "3:6"})
     return run, r.stdout + r.stderr
 
 
@@ -150,7 +155,7 @@ def test_fsdp_cpu_forward_matches_single_process_and_exports_gathered_shards(
     # Each shard owner wrote its own part; reassembled, the parts are the single-process weights.
     from test_train_parity import _weights
 
-    w_ref, w_got = _weights(single), _stage_weights(run)
+    w_ref, w_got = _weights(single, STEPS), _stage_weights(run)
     assert sorted(w_got) == sorted(w_ref)
     for name, t in w_ref.items():
         assert float((w_got[name] - t).norm() / t.norm()) <= RTOL, name
@@ -164,13 +169,13 @@ def test_fsdp_cpu_forward_matches_single_process_and_exports_gathered_shards(
 def test_fsdp_resume_after_kill_is_bit_identical(fsdp_killed: tuple[Path, str], fsdp_dd: Path,
                                                  single: Path) -> None:
     run, out = fsdp_killed
-    assert "rank 3 kills itself after step 12" in out and "step-000010 at step 10" in out, out[-3000:]
+    assert "rank 3 kills itself after step 6" in out and "step-000005 at step 5" in out, out[-3000:]
     _assert_parity(single, fsdp_dd)
-    # Same layout and schedule, another transport, no kill: every logged step (1-10 from the first attempt,
-    # 11-20 replayed after the restart from the sharded step-10 checkpoint) is the same float.
+    # Same layout and schedule, another transport, no kill: every logged step (1-5 from the first attempt,
+    # 6-10 replayed after the restart from the sharded step-5 checkpoint) is the same float.
     uninterrupted = dict(_rows(fsdp_dd))
     rows = _rows(run)
-    assert [s for s, _ in rows] == list(range(1, 21))
+    assert [s for s, _ in rows] == list(range(1, STEPS + 1))
     assert all(loss == uninterrupted[s] for s, loss in rows), [(s, loss, uninterrupted[s]) for s, loss in rows]
 
 
@@ -204,7 +209,7 @@ def test_hsdp_replicates_across_vendors_and_shards_inside(single: Path, tmp_path
                table.splitlines()), table
     assert any(line.startswith("dp.stage0.cross0") and "cross-vendor" in line and "bimetal_cpu_forward" in line
                for line in table.splitlines()), table
-    _assert_parity(single, run, steps=10)
+    _assert_parity(single, run, steps=SHORT)
 
 
 def test_resume_onto_another_shard_degree_is_refused(tmp_path: Path) -> None:
@@ -220,12 +225,12 @@ def test_resume_onto_another_shard_degree_is_refused(tmp_path: Path) -> None:
 def test_hsdp_pp2_replicate2_shard2_on_8_ranks(single: Path, fsdp_killed: tuple[Path, str], tmp_path: Path) -> None:
     run = tmp_path / "run"
     out = _train(run, "--parallel.dp=4", "--parallel.dp_shard=2", "--parallel.microbatches=2", "--data.batch_size=4",
-                 "--training.steps=10", "--checkpoint.every=0", simulate="nvidia:4,amd:4").stdout
+                 f"--training.steps={SHORT}", "--checkpoint.every=0", simulate="nvidia:4,amd:4").stdout
     table = out.split("bimetal FSDP mesh groups")[1]
     for name, ranks in (("dp.stage0.shard1", "2,3"), ("dp.stage0.replicate1", "1,3"), ("dp.stage1.replicate0", "4,6")):
         assert any(line.split()[:2] == [name, ranks] and "bimetal_sim_native" in line
                    for line in table.splitlines()), table
-    _assert_parity(single, run, steps=10)
+    _assert_parity(single, run, steps=SHORT)
     # Shards of 2 as in the 4-rank sharded run: the same bytes per rank, whatever the replica count (but the
     # schedule's receive buffers, one per microbatch: 2 here, 4 there).
     for rank in (0, 4):
@@ -236,16 +241,16 @@ def test_hsdp_pp2_replicate2_shard2_on_8_ranks(single: Path, fsdp_killed: tuple[
 
 def test_fsdp_composes_with_tensor_parallel_on_8_ranks(single: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
-    layout = ["--parallel.tp=2", "--parallel.dp_shard=2", "--training.steps=10"]
+    layout = ["--parallel.tp=2", "--parallel.dp_shard=2", f"--training.steps={SHORT}"]
     out = _train(run, *layout, f"--checkpoint.export_hf={run.with_name('hf')}", simulate="nvidia:4,amd:4").stdout
     table = out.split("bimetal FSDP mesh groups")[1]
     assert any(line.split()[:2] == ["dp.stage1.tp1", "5,7"] for line in table.splitlines()), table
-    _assert_parity(single, run, steps=10)
+    _assert_parity(single, run, steps=SHORT)
     from test_train_parity import _weights
 
     from bimetal.models import from_hf
 
-    w_ref = _weights(single, step=10)
+    w_ref = _weights(single, step=SHORT)
     exported = {n: p.detach() for n, p in from_hf(run.with_name("hf")).named_parameters()}
     assert sorted(exported) == sorted(w_ref)
     for name, t in w_ref.items():

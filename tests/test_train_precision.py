@@ -2,9 +2,9 @@
 
 One scenario, two runs through the command a user types (``bimetal train --simulate nvidia:1,amd:1``: stage 0
 on the "nvidia" rank, stage 1 on the "amd" rank, the pipeline group crossing vendors on cpu-forward): the debug
-LLaMA-3 of ``configs/demo.toml`` trained 20 steps in bf16 autocast on the CPU, once with the default boundary
-(``parallel.pp_boundary_dtype = "compute"``: bf16) and once with ``float32``. Checked: the losses agree at every
-step within bf16's relative rounding (2**-8); the cross-vendor bytes of every step (metrics.jsonl, from the
+LLaMA-3 of ``configs/demo.toml`` trained 10 steps of 32 tokens in bf16 autocast on the CPU, once with the default
+boundary (``parallel.pp_boundary_dtype = "compute"``: bf16) and once with ``float32``. Checked: the losses agree at
+every step within bf16's relative rounding (2**-8); the cross-vendor bytes of every step (metrics.jsonl, from the
 transport's own counters) are the payload of 4 microbatches x (activation + gradient) in each dtype, so the bf16
 run moves half; what each rank holds after its first step (parameter state, the schedule's receive buffers and
 the stage outputs it held at once, read from the tensors) equals ``bimetal train --dry-run`` of the same config.
@@ -27,7 +27,7 @@ from bimetal.models import FLAVOURS
 from bimetal.train.pipeline import StageModule
 
 pytestmark = pytest.mark.timeout(300)
-SEQ, STEPS, MB, DIM = 64, 20, 4, 128  # the demo's 8 rows in 4 microbatches of 2; the debug model's width
+SEQ, STEPS, MB, DIM = 32, 10, 4, 128  # the demo's 8 rows in 4 microbatches of 2; the debug model's width
 ARGS = ["--parallel.dp=1", f"--training.steps={STEPS}", f"--data.seq_len={SEQ}", "--training.dtype=bfloat16",
         "--checkpoint.every=0", "--metrics.log_every=100", "--parallel.pp_transport=cpu-forward"]
 

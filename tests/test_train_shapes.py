@@ -1,7 +1,7 @@
 """Stages of different shapes train exactly like one process, and move the bytes of equal shapes.
 
 Rows (``bimetal train --simulate``, the debug LLaMA-3 of ``configs/demo.toml`` with its split [3, 1], float32 on
-CPU, 20 steps, a global batch of 16 rows of 64 tokens in 4 global microbatches, cpu-forward across vendors):
+CPU, 10 steps, a global batch of 16 rows of 32 tokens in 4 global microbatches, cpu-forward across vendors):
 
 * stage 0 dp=2 / stage 1 dp=1 / stage 2 dp=1 (``nvidia:2,amd:2``, split [2, 1, 1]): each "amd" microbatch joins the
   rows of two "nvidia" senders; stage 1 is a middle stage, and its boundary to stage 2 stays inside the vendor;
@@ -9,13 +9,13 @@ CPU, 20 steps, a global batch of 16 rows of 64 tokens in 4 global microbatches, 
 * stage 0 dp_shard=2 / stage 1 dp=2 replicated (``nvidia:2,amd:2``): FSDP on one island, plain dp on the other;
   dp and tp agree, so this is the uniform pipeline (torch's 1F1B) and serves as the equal-shapes reference;
 * the dp 2/1/1 row again on device-direct, uninterrupted: the cpu-forward dp 2/1/1 run has its "amd" rank kill
-  itself after step 12 and be restarted (``--max-restarts=1``) from the step-10 checkpoint, and its losses must
+  itself after step 6 and be restarted (``--max-restarts=1``) from the step-5 checkpoint, and its losses must
   equal these bit for bit. The tp row runs GPipe's order, the others 1F1B.
 
 Checked: losses at every step within 1e-5 relative of the one-process run of the same global batch, final weights
 within 1e-5, the HF export equal to the final checkpoint; cross-vendor bytes per step (the transport's own
-counters, summed over ranks) equal to the equal-shapes row's; a kill and restart, and a resume from the step-10
-checkpoint, bit-identical; the step-10 checkpoint moved to a uniform pp=2 x dp=2 layout continues with the same
+counters, summed over ranks) equal to the equal-shapes row's; a kill and restart, and a resume from the step-5
+checkpoint, bit-identical; the step-5 checkpoint moved to a uniform pp=2 x dp=2 layout continues with the same
 losses (relative 1e-5, ``docs/moving-a-run.md``).
 """
 
@@ -29,12 +29,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_train_fsdp import _flat
-from test_train_parity import COMMON, DEMO, EXE, RTOL, SEQ, SINGLE, _losses, _train, _transport_missing, _weights
+from test_train_fsdp import COMMON, STEPS, _flat
+from test_train_parity import DEMO, EXE, RTOL, SINGLE, _losses, _transport_missing, _weights
 
 from bimetal.train.shards import assemble
 
 pytestmark = pytest.mark.timeout(300)
+SEQ = 32  # test_train_fsdp's COMMON: 10 steps of 32 tokens, checkpoints of steps 5 and 10
 BATCH = ["--data.global_batch_size=16", "--parallel.microbatches=4", "--training.dtype=float32"]
 THREE = ["--parallel.pp=3", "--parallel.layers_per_stage=[2,1,1]", "--parallel.dp_per_stage=[2,1,1]"]
 """Three stages: nvidia dp=2, then two amd stages of dp=1 (a middle stage, and a boundary inside a vendor)."""
@@ -45,8 +46,8 @@ ROWS = {
     "shard2-dp2": ("nvidia:2,amd:2", ["--parallel.dp_per_stage=[2,2]", "--parallel.dp_shard_per_stage=[2,1]"]),
     "dp2-dp1-dp1-dd": ("nvidia:2,amd:2", [*THREE, "--parallel.pp_transport=device-direct"]),
 }
-KILLED = {"dp2-dp1-dp1": "2:12"}
-"""Rows whose rank kills itself after a step (``BIMETAL_FAULT_KILL``); torchrun restarts it from step 10."""
+KILLED = {"dp2-dp1-dp1": "2:6"}
+"""Rows whose rank kills itself after a step (``BIMETAL_FAULT_KILL``); torchrun restarts it from step 5."""
 _RUNS: dict[str, tuple[Path, str]] = {}
 
 
@@ -75,17 +76,18 @@ def _run(name: str, factory: pytest.TempPathFactory) -> tuple[Path, str]:
 
 
 def _all_weights(run: Path) -> dict[str, torch.Tensor]:
-    """Every stage's weights at step 20: whole-tensor stages as saved, FSDP stages reassembled from their parts."""
-    weights = _weights(run)
+    """Every stage's weights at the last step: whole-tensor stages as saved, FSDP stages reassembled from their
+    parts."""
+    weights = _weights(run, STEPS)
     weights.update(_sharded(run))
     return weights
 
 
 def _sharded(run: Path) -> dict[str, torch.Tensor]:
-    """The FSDP stages' weights at step 20, reassembled from their shard parts (``test_train_fsdp``'s way)."""
+    """The FSDP stages' weights at the last step, reassembled from their shard parts (``test_train_fsdp``'s way)."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    folder = run / "checkpoints" / "step-000020"
+    folder = run / "checkpoints" / f"step-{STEPS:06d}"
     extras = [json.loads(p.read_text()) for p in sorted(folder.glob("extra-rank*.json"))]
     layouts = {e["shards"]["part"]: e["shards"]["tensors"] for e in extras if "shards" in e}
     out: dict[str, torch.Tensor] = {}
@@ -105,7 +107,8 @@ def _sharded(run: Path) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def single(tmp_path_factory: pytest.TempPathFactory) -> Path:
     run = tmp_path_factory.mktemp("single") / "run"
-    r = _train(run, *SINGLE)
+    r = subprocess.run([EXE, "train", "--config", str(DEMO), *COMMON, f"--metrics.run_dir={run}", *SINGLE],
+                       capture_output=True, text=True, timeout=240, cwd=run.parent)
     assert r.returncode == 0, r.stderr[-3000:]
     return run
 
@@ -115,10 +118,10 @@ def test_stage_shapes_match_single_process(name: str, single: Path, tmp_path_fac
                                            capsys: pytest.CaptureFixture[str]) -> None:
     run, stdout = _run(name, tmp_path_factory)
     ref, got = _losses(single), _losses(run)
-    assert sorted(got) == sorted(ref) == list(range(1, 21))
+    assert sorted(got) == sorted(ref) == list(range(1, STEPS + 1))
     for step in ref:
         assert abs(got[step] - ref[step]) <= RTOL * abs(ref[step]), (step, got[step], ref[step])
-    w_ref, w_got = _weights(single), _all_weights(run)
+    w_ref, w_got = _weights(single, STEPS), _all_weights(run)
     assert sorted(w_got) == sorted(w_ref)
     for n, t in w_ref.items():
         assert float((w_got[n] - t).norm() / t.norm()) <= RTOL, n
@@ -160,12 +163,12 @@ def test_cross_vendor_bytes_equal_those_of_equal_shapes(tmp_path_factory: pytest
 
 def test_a_killed_rank_restarts_and_stays_bit_identical(tmp_path_factory: pytest.TempPathFactory) -> None:
     run, out = _run("dp2-dp1-dp1", tmp_path_factory)
-    assert "rank 2 kills itself after step 12" in out and "resumed from" in out, out[-3000:]
+    assert "rank 2 kills itself after step 6" in out and "resumed from" in out, out[-3000:]
     if (why := _transport_missing("device-direct")) is not None:
         pytest.skip(f"the uninterrupted twin runs on device-direct: {why}")
     twin, _ = _run("dp2-dp1-dp1-dd", tmp_path_factory)
     killed, uninterrupted = _losses(run), _losses(twin)
-    assert sorted(killed) == list(range(1, 21))
+    assert sorted(killed) == list(range(1, STEPS + 1))
     assert all(killed[s] == uninterrupted[s] for s in killed), [(s, killed[s], uninterrupted[s]) for s in killed]
 
 
@@ -178,11 +181,11 @@ def test_resume_is_identical_and_moves_to_a_uniform_layout(tmp_path_factory: pyt
                                      "--parallel.dp_per_stage=[]", "--data.batch_size=8"])):  # pp 3 -> 2, dp 2
         resumed = tmp_path / name / "run"
         (resumed / "checkpoints").mkdir(parents=True)
-        shutil.copytree(run / "checkpoints" / "step-000010", resumed / "checkpoints" / "step-000010")
+        shutil.copytree(run / "checkpoints" / "step-000005", resumed / "checkpoints" / "step-000005")
         r = _shaped("dp2-dp1-dp1", resumed, "--resume", *extra)
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
         again = _losses(resumed)
-        assert sorted(again) == list(range(11, 21))
+        assert sorted(again) == list(range(6, STEPS + 1))
         if not extra:
             assert all(again[s] == full[s] for s in again), [(s, again[s], full[s]) for s in again]
             continue

@@ -33,6 +33,7 @@ markers in docs/torchtitan.md. Not in CI: a case costs one to several minutes he
 from __future__ import annotations
 
 import datetime
+import importlib.metadata
 import json
 import os
 import platform
@@ -223,6 +224,7 @@ def _repeated_steps(stdout: str) -> list[int]:
 
 REFERENCE_TRIES = 3
 """How often the all-Gloo reference of a variant is run while it dies of a native crash (see ``native_crash``)."""
+TORCH = importlib.metadata.version("torch")
 NATIVE_CRASH = re.compile(r"^bimetal titan: .*\bkilled by (SIGSEGV|SIGABRT|SIGBUS)\b")
 
 
@@ -327,8 +329,8 @@ def classify(gloo: dict, mixed: dict) -> tuple[str, str]:
         if crashes and bad.get("native_crash"):  # every try of the reference died of a native crash
             steps = sum(len(v["losses"] or []) for v in m)
             return "all-Gloo crashes", (f"bimetal's run ended well ({steps} logged step(s) over {len(m)} run(s)); its "
-                                        f"all-Gloo reference (stock Gloo) died of a native crash in each of "
-                                        f"{len(crashes) + 1} tries: {bad['native_crash']}")
+                                        f"all-Gloo reference (stock Gloo of torch {TORCH}) died of a native crash "
+                                        f"in each of {len(crashes) + 1} tries: {bad['native_crash']}")
         return "fails", f"the all-Gloo run: {bad['cause']}"
     repeated = [v["repeated_steps"] for v in m if v["repeated_steps"]]
     if repeated:
@@ -341,8 +343,8 @@ def classify(gloo: dict, mixed: dict) -> tuple[str, str]:
     if steps == 0:  # nothing trained (a seed checkpoint): both ran, the same checkpoints written
         same = g[-1]["checkpoints"] == ckpt
         return ("ran" if same else "differs"), f"no training step, as the case asks{saved}"
-    rerun = (f"; the all-Gloo reference died of a native crash in {len(crashes)} earlier tr"
-             f"{'y' if len(crashes) == 1 else 'ies'} and was run again ({crashes[0]})") if crashes else ""
+    rerun = (f"; the all-Gloo reference (stock Gloo of torch {TORCH}) died of a native crash in {len(crashes)} "
+             f"earlier tr{'y' if len(crashes) == 1 else 'ies'} and was run again ({crashes[0]})") if crashes else ""
     return "identical", f"{steps} logged step(s) over {len(m)} run(s){saved}{rerun}"
 
 
@@ -359,7 +361,8 @@ def run_cases(names: list[str], cwd: Path | None, logs: Path | None = None) -> N
         records = json.loads(RECORDS.read_text()) if RECORDS.exists() else {}  # read now: another run may have added
         records[case.name] = {"status": status, "detail": detail, "simulate": simulate,
                               "date": datetime.date.today().isoformat(), "machine": platform.node(),
-                              "cpu_count": os.cpu_count(), "commands": [v["command"] for v in mixed["variants"]]}
+                              "cpu_count": os.cpu_count(), "torch": TORCH,
+                              "commands": [v["command"] for v in mixed["variants"]]}
         RECORDS.write_text(json.dumps(records, indent=1) + "\n")
         print(f"{case.name}: {status}: {detail}", flush=True)
 

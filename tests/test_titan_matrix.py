@@ -57,8 +57,8 @@ def test_a_crashed_reference_variant_reruns_from_the_dump_folder_as_it_was(tmp_p
                      (0, False, []), (1, False, ["step-2"])]
     assert gloo["reference_crashes"] == [SEGV] and mixed["reference_crashes"] == []
     status, detail = titan_matrix.classify(gloo, mixed)
-    assert status == "identical" and detail.endswith(f"died of a native crash in 1 earlier try and was run again "
-                                                     f"({SEGV})"), detail
+    assert status == "identical" and detail.endswith(f"(stock Gloo of torch {titan_matrix.TORCH}) died of a native "
+                                                     f"crash in 1 earlier try and was run again ({SEGV})"), detail
 
 
 def test_a_reference_that_crashes_in_every_try_is_not_reported_as_bimetals_failure() -> None:
@@ -67,6 +67,6 @@ def test_a_reference_that_crashes_in_every_try_is_not_reported_as_bimetals_failu
     status, detail = titan_matrix.classify(gloo, mixed)
     assert status == "all-Gloo crashes", (status, detail)
     assert detail == (f"bimetal's run ended well (4 logged step(s) over 2 run(s)); its all-Gloo reference (stock "
-                      f"Gloo) died of a native crash in each of 3 tries: {SEGV}")
+                      f"Gloo of torch {titan_matrix.TORCH}) died of a native crash in each of 3 tries: {SEGV}")
     other = {"variants": [_record(0, [8.0, 7.5]), _record(1, None)], "reference_crashes": []}
     assert titan_matrix.classify(other, mixed)[0] == "fails"  # any other failure of the reference stays a failure

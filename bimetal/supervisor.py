@@ -29,6 +29,7 @@ import ctypes
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -167,6 +168,10 @@ def error_file_cause(data: dict[str, Any]) -> str:
             if cause is not None and not cause.endswith(":"):
                 return cause
     return message
+
+
+_PEER_LOST = re.compile(r"Connection (closed|reset) by peer|Broken pipe")
+"""A rank's cause line that says only that a peer went away (Gloo's words, on a socket the peer's death closed)."""
 
 
 def _how(code: int) -> str:
@@ -374,9 +379,15 @@ class RankSupervisor:
             return _Outcome(2, [user[0][1]])
         said = {r: rep["message"] for r, rep in reports.items() if isinstance(rep.get("message"), str)}
         ended = [rk for rk in ranks if rk.code not in (None, 0) and not rk.stopped_by_us]
+        # An exit on a lost peer connection follows the death of that peer, though the launcher can see it first
+        # (an all-Gloo titan run: rank 6's "Connection closed by peer" exit was seen before rank 7's SIGSEGV)
+        signalled = any((rk.code or 0) < 0 for rk in ended)
+        lost = {rk.rank for rk in ended if signalled and (rk.code or 0) > 0 and rk.rank not in said
+                and _PEER_LOST.search(self._cause(folder, rk.rank))}
         # who went first: the launcher's poll order, then a death by signal before an exit (a survivor's exit
         # follows the death that caused it, possibly within one poll), then a crash before a sentence
-        ended.sort(key=lambda rk: (rk.seen, 0 if (rk.code or 0) < 0 else 1 if rk.rank not in said else 2, rk.rank))
+        ended.sort(key=lambda rk: (rk.rank in lost, rk.seen, 0 if (rk.code or 0) < 0 else 1 if rk.rank not in said
+                                   else 2, rk.rank))
         end = "." if restartable else "; the job stopped."
         lines: list[str] = []
         first = ended[0] if ended and ended[0].rank not in said else None
@@ -398,7 +409,7 @@ class RankSupervisor:
             if stopped:
                 why = sorted((reports[rk.rank].get("time", 0.0), said[rk.rank]) for rk in stopped if rk.rank in said)
                 crashes = [self._cause(folder, rk.rank) for rk in stopped if rk.rank not in said]
-                detail = why[0][1].rstrip(".") if why else next((c for c in crashes if c), "")
+                detail = (why[0][1] if why else next((c for c in crashes if c), "")).rstrip(".")
                 lines.append(f"{_ranks_text(stopped)} stopped because rank {first.rank} died"
                              + (f" (first reason given: {detail})" if detail else "") + ".")
         slow = [rk for rk in ranks if rk.stopped_by_us and rk.rank not in said]

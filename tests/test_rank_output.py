@@ -181,3 +181,21 @@ def test_the_verdict_orders_deaths_and_gives_one_line_per_failure(tmp_path: Path
                              "rank 3 (amd) was also killed by SIGABRT.",
                              "ranks 0 (nvidia) and 1 (nvidia) stopped because rank 2 died (first reason given: rank 0 "
                              "stopped in step 3: peer gone)."], outcome.lines
+
+
+def test_an_exit_on_a_lost_peer_counts_after_the_death_by_signal_that_caused_it(tmp_path: Path) -> None:
+    """Rank 0's exit on Gloo's "Connection closed by peer" was seen a poll before rank 1's SIGSEGV (the death that
+    closed the socket): rank 1 is named first, with rank 0 as one "stopped because" line; without a signal death
+    the exit itself is the first failure."""
+    from bimetal.supervisor import RankSupervisor, _Rank
+
+    lost = "RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:65201."
+    (tmp_path / "rank-0.error.json").write_text(json.dumps({"message": {"message": lost}}))
+    ranks = [_Rank(0, "amd", None, code=1, seen=1.0), _Rank(1, "amd", None, code=-11, seen=1.3)]  # type: ignore[arg-type]
+    outcome = RankSupervisor(["python"], 2, {})._verdict(ranks, tmp_path, restartable=False)
+    assert outcome.lines == ["rank 1 (amd) was killed by SIGSEGV; the job stopped.",
+                             f"rank 0 (amd) stopped because rank 1 died (first reason given: {lost.rstrip('.')})."], \
+        outcome.lines
+    alone = [_Rank(0, "amd", None, code=1, seen=1.0)]  # type: ignore[arg-type]
+    outcome = RankSupervisor(["python"], 1, {})._verdict(alone, tmp_path, restartable=False)
+    assert outcome.lines == [f"rank 0 (amd) exited with status 1 ({lost}); the job stopped."], outcome.lines

@@ -242,6 +242,14 @@ def test_elastic_script_runs_a_torchrun_agent_per_node(tmp_path: Path, capsys: p
                f"--nnodes=1:3 --nproc-per-node={gpus} --rdzv-backend=c10d --max-restarts=2 " \
                '--rdzv-endpoint="$RDZV_HOST:$RDZV_PORT" --rdzv-id="$SLURM_JOB_ID" -m bimetal.train ' in part, part
         assert part.rstrip(" \\\n").endswith("--parallel.layout=auto"), part
+    # --rdzv-conf goes to every agent as written, after the checks (torch's defaults where it is not given)
+    tuned = _generate(["--config", str(CONFIGS / "demo.toml"), "--cluster", str(spec), "--partition", "nvidia=a",
+                       "--partition", "amd=b", "--parallel.layout=auto", "--elastic", "1",
+                       "--rdzv-conf", "last_call_timeout=5, keep_alive_interval=1"], capsys)
+    agents = tuned[tuned.index("\nsrun "):].split("\n  : ")
+    assert len(agents) == 2 and all("--max-restarts=3 --rdzv-conf=last_call_timeout=5,keep_alive_interval=1 "
+                                    "--rdzv-endpoint=" in a for a in agents), agents
+    assert "--rdzv-conf" not in script
     # the batch step's check: one task per node is right for an elastic job, and wrong for the others
     job = read_job({**FAKE_HET_STEP, "SLURM_TASKS_PER_NODE_HET_GROUP_0": "1", "SLURM_TASKS_PER_NODE_HET_GROUP_1": "1"})
     assert job is not None
@@ -275,6 +283,15 @@ ELASTIC = ["--config", str(CONFIGS / "demo.toml"), "--cluster", str(CONFIGS / "c
     (ELASTIC + ["--elastic", "1", "--max-restarts", "-1"], "--max-restarts -1 must be zero or more"),
     (["--titan", "--elastic", "1", "--cluster", str(CONFIGS / "clusters" / "h100_mi300x.toml")],
      "a --titan job cannot run elastically"),
+    (ELASTIC + ["--rdzv-conf", "last_call_timeout=5"], "--rdzv-conf sets the rendezvous of an elastic job"),
+    (ELASTIC + ["--elastic", "1", "--parallel.layout=auto", "--rdzv-conf", "last_cal_timeout=5"],
+     "'last_cal_timeout=5' is not KEY=N with KEY one of join_timeout"),
+    (ELASTIC + ["--elastic", "1", "--parallel.layout=auto", "--rdzv-conf", "is_host=true"],
+     "'is_host=true' is not KEY=N"),
+    (ELASTIC + ["--elastic", "1", "--parallel.layout=auto", "--rdzv-conf", "last_call_timeout=0"],
+     "last_call_timeout must be given once, as a whole number of at least 1"),
+    (ELASTIC + ["--elastic", "1", "--parallel.layout=auto", "--rdzv-conf", "join_timeout=9,join_timeout=60"],
+     "join_timeout must be given once"),
 ])
 def test_bad_generator_input(args: list[str], fragment: str, capsys: pytest.CaptureFixture[str]) -> None:
     code = bimetal_main(["slurm", *args])

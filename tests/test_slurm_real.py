@@ -143,11 +143,15 @@ def test_elastic_job_loses_a_node_and_finishes_on_the_other(slurm: SlurmCluster,
     here: both slurmd run on this machine, so both agents take the endpoint for their own; on a cluster it is the
     first node of component 0.) The other agent restarts its rank, which picks pp=1, resumes by itself from the
     newest checkpoint and trains to step 12; the restart line names the lost node and its island. (The job's exit
-    code is the killed task's: Slurm reports the lost node.)"""
+    code is the killed task's: Slurm reports the lost node.) ``--rdzv-conf`` shortens the agents' waits and is
+    checked to reach them."""
     script = _script(tmp_path, amd_gpus=1, nv_gpus=1, extra=(
         "--parallel.layout=auto", "--elastic", "1", "--max-restarts", "1", "--training.steps=12",
-        "--checkpoint.every=4", "--parallel.timeout_s=20"))
+        "--checkpoint.every=4", "--parallel.timeout_s=20",
+        # torch's defaults would wait 3 x 5 s for the lost node's keep-alive, then 30 s for late nodes
+        "--rdzv-conf", "last_call_timeout=5,keep_alive_interval=2"))
     port = int(re.search(r"MASTER_PORT:-(\d+)", script.read_text()).group(1))  # type: ignore[union-attr]
+    assert script.read_text().count("--rdzv-conf=last_call_timeout=5,keep_alive_interval=2 ") == 2
     job = slurm.sbatch(script)
     log = tmp_path / f"bimetal-{job}.out"
     deadline = time.monotonic() + 150

@@ -99,6 +99,8 @@ class SbatchJob:
     """The fewest nodes the job goes on with (torchrun per node, ``--nnodes elastic:all``); None: srun tasks."""
     max_restarts: int = 3
     """With ``elastic``: torchrun's ``--max-restarts``."""
+    rdzv_conf: str | None = None
+    """With ``elastic``: torchrun's ``--rdzv-conf`` for every agent (checked KEY=N pairs); None: torch's defaults."""
 
 
 def render(job: SbatchJob) -> str:
@@ -165,7 +167,7 @@ def render(job: SbatchJob) -> str:
             total = sum(x.island.nodes for x in job.components)
             agent = [c.python, "-m", "torch.distributed.run", f"--nnodes={job.elastic}:{total}",
                      f"--nproc-per-node={c.island.gpus_per_node}", "--rdzv-backend=c10d",
-                     f"--max-restarts={job.max_restarts}"]
+                     f"--max-restarts={job.max_restarts}"] + [f"--rdzv-conf={job.rdzv_conf}"] * bool(job.rdzv_conf)
             # the variables stay unquoted: the shell fills them in
             steps.append(_join(["--no-kill", *opts, *agent]) + ' --rdzv-endpoint="$RDZV_HOST:$RDZV_PORT" '
                          '--rdzv-id="$SLURM_JOB_ID" ' + _join(job.rank_args))

@@ -29,6 +29,12 @@ from bimetal.plan.sbatch import Component, SbatchJob, islands, rank_ranges, rend
 from bimetal.plan.spec import ClusterSpec, load_spec
 from bimetal.topology.slurm import Island, check_allocation, read_job
 
+# The c10d rendezvous settings torch 2.13 reads (torch/distributed/elastic/rendezvous: dynamic_rendezvous's
+# create_handler, c10d_rendezvous_backend) that hold for every agent alike, all whole seconds or counts; is_host is
+# per node (torchrun decides it by the endpoint's host) and store_type is not a timing.
+RDZV_KEYS = ("join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout", "keep_alive_interval",
+             "keep_alive_max_attempt", "read_timeout")
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="bimetal slurm", description=__doc__.splitlines()[0],
@@ -56,9 +62,29 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run elastically: torchrun per node (--nnodes MIN_NODES:all, c10d rendezvous), restarted on "
                         "the nodes left when some fail; needs parallel.layout = \"auto\"")
     p.add_argument("--max-restarts", type=int, help="with --elastic: torchrun's --max-restarts (default 3)")
+    p.add_argument("--rdzv-conf", metavar="KEY=SECONDS,...",
+                   help="with --elastic: torchrun's --rdzv-conf for every agent, e.g. last_call_timeout=5 (torch's "
+                        "defaults: a restart on fewer nodes waits keep_alive_interval=5 x keep_alive_max_attempt=3 "
+                        "for the lost node, then last_call_timeout=30 for late ones); keys: "
+                        + ", ".join(RDZV_KEYS))
     p.add_argument("--sbatch", action="append", default=[], metavar="OPTION",
                    help="a further #SBATCH option for every component, e.g. --sbatch=--exclusive; repeatable")
     return p
+
+
+def rdzv_conf(text: str) -> str:
+    """``--rdzv-conf`` checked: KEY=N pairs of RDZV_KEYS, each once, N a whole number of at least 1."""
+    seen: dict[str, int] = {}
+    for item in text.split(","):
+        key, sep, value = item.strip().partition("=")
+        if key not in RDZV_KEYS or not sep:
+            raise UserError(f"--rdzv-conf {text!r}: {item.strip()!r} is not KEY=N with KEY one of "
+                            f"{', '.join(RDZV_KEYS)}.")
+        if not value.isdigit() or int(value) < 1 or key in seen:
+            raise UserError(f"--rdzv-conf {text!r}: {key} must be given once, as a whole number of at least 1 "
+                            f"(seconds, or a count for keep_alive_max_attempt).")
+        seen[key] = int(value)
+    return ",".join(f"{k}={v}" for k, v in seen.items())
 
 
 def _pairs(items: list[str], flag: str, keys: set[str]) -> dict[str, str]:
@@ -110,6 +136,10 @@ def main(argv: list[str]) -> int:
     if a.max_restarts is not None and a.elastic is None:
         raise UserError("--max-restarts goes with --elastic (a job of srun tasks is not restarted); add --elastic "
                         "MIN_NODES or drop it.")
+    if a.rdzv_conf is not None and a.elastic is None:
+        raise UserError("--rdzv-conf sets the rendezvous of an elastic job's torchrun agents; add --elastic "
+                        "MIN_NODES or drop it.")
+    rdzv = None if a.rdzv_conf is None else rdzv_conf(a.rdzv_conf)
     if a.max_restarts is not None and a.max_restarts < 0:
         raise UserError(f"--max-restarts {a.max_restarts} must be zero or more.")
     if a.elastic is not None and a.titan:
@@ -190,7 +220,7 @@ def main(argv: list[str]) -> int:
         chdir=str(cwd), output=a.output, source=spec.path, command=shlex.join(["bimetal", "slurm", *argv]),
         simulate=a.simulate, master_port=a.master_port, cpus_per_task=a.cpus_per_task, time=a.time,
         account=a.account, extra=tuple(a.sbatch), elastic=a.elastic,
-        max_restarts=3 if a.max_restarts is None else a.max_restarts)
+        max_restarts=3 if a.max_restarts is None else a.max_restarts, rdzv_conf=rdzv)
     text = render(job)
     if not a.out:
         sys.stdout.write(text)

@@ -49,7 +49,7 @@ lint: $(STAMP)
 # so every rank of every launched job would compile bimetal's modules again from source.
 test: $(STAMP) debian-packages lint
 	$(BIN)/python -m compileall -q bimetal tests scripts >/dev/null
-	$(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadfile --durations=10 tests
+	$(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder --durations=10 tests
 
 # docs/environment.md from bimetal/env.py's variable table (tests/test_docs.py holds the two equal).
 docs: $(STAMP)

@@ -102,12 +102,14 @@ def lab(make_lab: Callable[..., Any]) -> Any:
     return make_lab()
 
 
-# The files whose tests take longest, run first: `make test` runs the suite on two workers (pytest-xdist, each
-# file on one worker), and a long file started last leaves the other worker idle at the end.
-SLOW_FILES_FIRST = ("test_demo.py", "test_torchtitan.py", "test_train_parity.py", "test_torch_conformance.py",
-                    "test_train_faults.py", "test_gpu_check.py", "test_train_shapes.py", "test_cf_failover.py",
-                    "test_train_fsdp.py", "test_titan_output.py", "test_cpu_forward.py", "test_lab.py",
-                    "test_slurm_real.py", "test_first_contact.py", "test_nothing_lost.py")
+# The files whose tests take longest, run first, longest first (summed test wall seconds of a CI run): `make test`
+# runs the suite on two workers (pytest-xdist, each file on one worker, `--no-loadscope-reorder` so that this order
+# holds rather than xdist's most-tests-first), and a long file started last leaves the other worker idle at the end.
+SLOW_FILES_FIRST = ("test_torchtitan.py", "test_gpu_check.py", "test_slurm_real.py", "test_megatron.py",
+                    "test_train_parity.py", "test_train_fsdp.py", "test_moving_a_run.py", "test_lab.py",
+                    "test_train_shapes.py", "test_torch_conformance.py", "test_cf_failover.py", "test_titan_output.py",
+                    "test_first_contact.py", "test_train_faults.py", "test_demo.py", "test_cpu_forward.py",
+                    "test_rank_fork.py", "test_lab_elastic.py", "test_checkpoints_kept.py", "test_nothing_lost.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -50,7 +50,8 @@ def faults(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("faults")
     modes = MODES
     env = clean_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(2 * len(modes)),
-                    LOCAL_WORLD_SIZE=str(2 * len(modes)), BIMETAL_SIMULATE=f"nvidia:{len(modes)},amd:{len(modes)}")
+                    LOCAL_WORLD_SIZE=str(2 * len(modes)),
+                    BIMETAL_SIMULATE=",".join(["nvidia:1,amd:1"] * len(modes)))  # each pair nvidia + amd, as before
     proc = subprocess.run([sys.executable, str(HERE / "forked_ranks.py"), str(2 * len(modes)), str(out / "ranks"),
                            "--", str(HERE / "cf_fault_rank.py"), str(out), ",".join(modes)],
                           env=env, capture_output=True, text=True, timeout=150)

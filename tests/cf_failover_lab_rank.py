@@ -6,7 +6,7 @@ written just before it so that the test driver can cut eth1 while it runs; (2) a
 what is left. Barriers run on the default Gloo group (eth0, which stays up). Each rank prints
 ``RESULT<rank> {json}`` with the time, the match and the degraded-stripe warnings of every transfer.
 
-``python cf_failover_lab_rank.py OUT_DIR MIB alldown``: one transfer over a group striped on eth1+eth2 (10 s
+``python cf_failover_lab_rank.py OUT_DIR MIB alldown``: one transfer over a group striped on eth1+eth2 (6 s
 timeout) while the driver cuts both; each rank prints the error it got and when.
 """
 
@@ -34,7 +34,7 @@ def payload(seed: int, numel: int) -> torch.Tensor:
 
 
 def all_down(out_dir: Path, mib: int, rank: int) -> None:
-    g = dist.new_group([0, 1], backend="bimetal_cpu_forward", group_desc="pp.a-b", timeout=timedelta(seconds=10),
+    g = dist.new_group([0, 1], backend="bimetal_cpu_forward", group_desc="pp.a-b", timeout=timedelta(seconds=6),
                        pg_options=CpuForwardOptions(stripes=2, interfaces=["eth1", "eth2"], stall_timeout_s=2.0))
     data = payload(0, (mib << 20) // 4) if rank == 0 else torch.empty((mib << 20) // 4, dtype=torch.int32)
     dist.barrier()

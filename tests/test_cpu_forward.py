@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from launcher import launch
+from launcher import clean_env, free_port, launch
 
 HERE = Path(__file__).resolve().parent
 pytestmark = pytest.mark.timeout(240)
@@ -27,19 +29,40 @@ def test_torch_parallel_machinery_matches_gloo(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
-@pytest.mark.parametrize(("mode", "fragment"), [
-    ("die", "group 'pp.dp0' recv #2 with peer 1 failed"),
-    ("stall", "group 'pp.dp0' recv #2 with peer 1 did not complete within 6 s"),
+FAULTS = [  # (mode, what rank 0 of the pair says, its peer named by global rank)
+    ("die", "group 'pp.dp0' recv #2 with peer {peer} failed"),
+    ("stall", "group 'pp.dp0' recv #2 with peer {peer} did not complete within 6 s"),
     # both time out; rank 0 sees its own timeout or, when rank 1's came first, the connection rank 1's Gloo closed:
     # either way its error says what rank 1 is doing
     ("desync", r"^group 'pp.dp0' all_reduce #2 (did not complete within 6 s \(the peer did not answer: dead, "
                r"stalled or in a different operation\)|failed: Connection closed by peer \S+); "
-               r"desync: rank 1 is in all_gather #2$"),
-    ("corrupt", "group 'pp.dp0' recv #3 with peer 1: checksum mismatch, the data was corrupted in transit"),
-])
-def test_dead_stalled_or_corrupting_peer_fails_naming_why(mode: str, fragment: str, tmp_path: Path) -> None:
-    launch("nvidia:1,amd:1", str(HERE / "cf_fault_rank.py"), str(tmp_path), mode, timeout=120)
-    result = json.loads((tmp_path / "rank0.json").read_text())
+               r"desync: rank {peer} is in all_gather #2$"),
+    ("corrupt", "group 'pp.dp0' recv #3 with peer {peer}: checksum mismatch, the data was corrupted in transit"),
+]
+MODES = [mode for mode, _ in FAULTS]
+
+
+@pytest.fixture(scope="module")
+def faults(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every fault at once, one pair of ranks each (the p-th of ``MODES``: ranks 2p and 2p+1), in one job: forks of
+    one interpreter that imported torch once, with no launcher watching (``forked_ranks.py``), so the pair whose
+    rank dies on purpose stops no other pair."""
+    out = tmp_path_factory.mktemp("faults")
+    modes = MODES
+    env = clean_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(2 * len(modes)),
+                    LOCAL_WORLD_SIZE=str(2 * len(modes)),
+                    BIMETAL_SIMULATE=",".join(["nvidia:1,amd:1"] * len(modes)))  # each pair nvidia + amd, as before
+    proc = subprocess.run([sys.executable, str(HERE / "forked_ranks.py"), str(2 * len(modes)), str(out / "ranks"),
+                           "--", str(HERE / "cf_fault_rank.py"), str(out), ",".join(modes)],
+                          env=env, capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return out
+
+
+@pytest.mark.parametrize(("mode", "fragment"), FAULTS, ids=MODES)
+def test_dead_stalled_or_corrupting_peer_fails_naming_why(mode: str, fragment: str, faults: Path) -> None:
+    result = json.loads((faults / f"{mode}.json").read_text())
+    fragment = fragment.format(peer=2 * MODES.index(mode) + 1)
     if mode == "desync":
         assert result["error"] and re.search(fragment, result["error"]), result
     else:

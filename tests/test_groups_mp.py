@@ -4,8 +4,6 @@ native back-end refusing a group that mixes vendors (as NCCL and RCCL cannot tal
 from __future__ import annotations
 
 import json
-import textwrap
-from pathlib import Path
 
 import pytest
 from cli_inprocess import cli_main
@@ -45,19 +43,43 @@ for axis, group in (("pp", ctx.pp_group), ("dp", ctx.dp_group)):
         mine[axis] = {"backend": str(dist.get_backend(group)), "kind": spec.kind, "ranks": list(spec.ranks),
                       "sum": t.item()}
 info = {"rank": ctx.rank, "vendor": ctx.vendor, "stage": ctx.stage, **mine}
+if ctx.world_size == 4:  # ranks 0, 1 nvidia and 2, 3 amd: the simulated native back-end and vendors
+    same = dist.new_group([0, 1], backend="bimetal_sim_native")  # both nvidia: fine
+    if ctx.rank in (0, 1):
+        t = torch.ones(4)
+        dist.all_reduce(t, group=same)
+        info["same_vendor_sum"] = t.tolist()
+    try:
+        dist.new_group([1, 2], backend="bimetal_sim_native")  # nvidia + amd
+        info["mixed"] = "ACCEPTED"
+    except Exception as exc:
+        info["mixed"] = f"REFUSED rank {ctx.rank}: {exc}"
 with open(os.path.join(sys.argv[3], f"rank{ctx.rank}.json"), "w") as f:  # one file each: stdout interleaves
     json.dump(info, f)
 ctx.destroy()
 """
+LAYOUTS = [("nvidia:1,amd:1", 2, 1), ("nvidia:2,amd:2", 2, 2)]
 
 
-@pytest.mark.parametrize(("simulate", "pp", "dp"), [("nvidia:1,amd:1", 2, 1), ("nvidia:2,amd:2", 2, 2)])
-def test_every_rank_gets_its_classification_and_backend(simulate: str, pp: int, dp: int, tmp_path: Path) -> None:
-    script = tmp_path / "rank.py"
-    script.write_text(RANK_SCRIPT)
-    proc = launch(simulate, str(script), str(pp), str(dp), str(tmp_path), timeout=100)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    ranks = {r["rank"]: r for r in (json.loads(p.read_text()) for p in tmp_path.glob("rank*.json"))}
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[int, dict]]:
+    """Each layout's job once for the module: every rank's classification (and, at 4 ranks, what the simulated
+    native back-end did with a group of one vendor and one that mixes two)."""
+    done = {}
+    for simulate, pp, dp in LAYOUTS:
+        out = tmp_path_factory.mktemp("groups")
+        script = out / "rank.py"
+        script.write_text(RANK_SCRIPT)
+        proc = launch(simulate, str(script), str(pp), str(dp), str(out), timeout=100)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        done[simulate] = {r["rank"]: r for r in (json.loads(p.read_text()) for p in out.glob("rank*.json"))}
+    return done
+
+
+@pytest.mark.parametrize(("simulate", "pp", "dp"), LAYOUTS)
+def test_every_rank_gets_its_classification_and_backend(simulate: str, pp: int, dp: int,
+                                                        launched: dict[str, dict[int, dict]]) -> None:
+    ranks = launched[simulate]
     world = pp * dp
     assert sorted(ranks) == list(range(world))
     for r, info in ranks.items():
@@ -90,33 +112,11 @@ def test_bad_simulate_spec_is_one_sentence_and_exit_2() -> None:
     assert "Traceback" not in proc.stderr
 
 
-def test_sim_native_refuses_a_group_that_mixes_vendors(tmp_path: Path) -> None:
-    script = tmp_path / "rank.py"
-    script.write_text(textwrap.dedent("""
-        import sys
-        from datetime import timedelta
-        import torch
-        import torch.distributed as dist
-        import bimetal  # registers the back-ends
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", timeout=timedelta(seconds=30))
-        same = dist.new_group([0, 1], backend="bimetal_sim_native")  # both nvidia: fine
-        t = torch.ones(4)
-        if dist.get_rank() in (0, 1):
-            dist.all_reduce(t, group=same)
-            assert t.tolist() == [2.0] * 4
-        try:
-            dist.new_group([1, 2], backend="bimetal_sim_native")  # nvidia + amd
-        except Exception as exc:
-            if dist.get_rank() in (1, 2):
-                print(f"REFUSED rank {dist.get_rank()}: {exc}", flush=True)
-        else:
-            if dist.get_rank() in (1, 2):
-                print("ACCEPTED", flush=True)
-        dist.destroy_process_group()
-    """))
-    proc = launch("nvidia:2,amd:1", str(script), timeout=100)
-    out = proc.stdout + proc.stderr
-    assert "ACCEPTED" not in out
-    assert "REFUSED rank 1" in out and "REFUSED rank 2" in out, out[-3000:]
-    assert "cannot form a group across vendors (ranks 1:nvidia, 2:amd)" in out
+def test_sim_native_refuses_a_group_that_mixes_vendors(launched: dict[str, dict[int, dict]]) -> None:
+    """In the 4-rank job: a group of ranks 0 and 1 (both nvidia) works; one of ranks 1 (nvidia) and 2 (amd) is
+    refused on both its ranks, naming them."""
+    ranks = launched["nvidia:2,amd:2"]
+    assert [ranks[r]["same_vendor_sum"] for r in (0, 1)] == [[2.0] * 4] * 2, ranks
+    for r in (1, 2):
+        assert ranks[r]["mixed"].startswith(f"REFUSED rank {r}: "), ranks[r]
+        assert "cannot form a group across vendors (ranks 1:nvidia, 2:amd)" in ranks[r]["mixed"], ranks[r]

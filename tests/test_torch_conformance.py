@@ -3,7 +3,7 @@
 Runs a subset of ``torch.testing._internal.distributed.distributed_test.DistributedTest._DistTestBase``
 (point-to-point and collectives, their async and full-group variants) on ``gloo`` and on
 ``bimetal_cpu_forward``, three forked ranks per test (driver: ``torch_conformance_run.py``), both back-ends at
-once. Every test of the subset passes on Gloo (the reference); on cpu-forward it passes, or it is in
+once from one driver. Every test of the subset passes on Gloo (the reference); on cpu-forward it passes, or it is in
 ``KNOWN_GAPS`` with the reason and with a fragment of the failure it must show (so a different failure, or a
 gap that has closed, fails this test until the list is updated).
 
@@ -69,25 +69,23 @@ LEFT_OUT: dict[str, str] = {
 }
 
 
-def _run(backend: str, out: Path) -> subprocess.Popen:
+def _run(backends: tuple[str, ...], out: Path) -> dict[str, dict[str, dict]]:
+    """Every back-end's outcomes, from one driver that runs them all at once (its imports paid once)."""
     env = dict(os.environ, WORLD_SIZE=str(WORLD_SIZE), PYTORCH_PRINT_REPRO_ON_FAILURE="0")
     env.pop("TORCH_DISTRIBUTED_DEBUG", None)  # DETAIL changes the failure text torch's tests expect
     names = ["test_world_backend", *SUBSET]
-    return subprocess.Popen([sys.executable, str(HERE / "torch_conformance_run.py"), backend, str(out), *names],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-
-
-def _outcomes(proc: subprocess.Popen, out: Path) -> dict[str, dict]:
-    _, err = proc.communicate(timeout=200)
-    assert proc.returncode == 0 and out.exists(), f"driver failed (rc {proc.returncode}):\n{err[-3000:]}"
-    return json.loads(out.read_text())
+    proc = subprocess.run([sys.executable, str(HERE / "torch_conformance_run.py"), ",".join(backends), str(out),
+                           *names], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=200)
+    files = {b: out / f"{b}.json" for b in backends}
+    assert proc.returncode == 0 and all(f.exists() for f in files.values()), \
+        f"driver failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}"
+    return {b: json.loads(f.read_text()) for b, f in files.items()}
 
 
 def test_cpu_forward_passes_what_gloo_passes() -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        outs = {b: Path(tmp) / f"{b}.json" for b in ("gloo", "bimetal_cpu_forward")}
-        procs = {b: _run(b, outs[b]) for b in outs}
-        gloo, cf = (_outcomes(procs[b], outs[b]) for b in outs)
+        outcomes = _run(("gloo", "bimetal_cpu_forward"), Path(tmp))
+    gloo, cf = outcomes["gloo"], outcomes["bimetal_cpu_forward"]
 
     for name, results in (("gloo", gloo), ("bimetal_cpu_forward", cf)):
         world = results.get("test_world_backend", {})

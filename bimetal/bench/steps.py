@@ -23,6 +23,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
+from typing import IO
 
 _PR_SET_CHILD_SUBREAPER = 36
 
@@ -114,13 +115,19 @@ def _stop_signals() -> Iterator[None]:
 
 
 def run_step(args: list[str], log: Path, timeout: float, env: dict[str, str] | None = None,
-             cwd: Path | None = None) -> int | None:
+             cwd: Path | None = None, fork: bool = False) -> int | None:
     """Run ``args`` in a session of its own, its output in ``log``; its exit status, or None when it outlived
-    ``timeout`` seconds (its whole tree then ended). ``Stopped`` when this process is told to stop meanwhile."""
+    ``timeout`` seconds (its whole tree then ended). ``Stopped`` when this process is told to stop meanwhile.
+
+    ``fork``: ``args`` is ``[python, PROGRAM...]`` and runs in a fork of this process (``bimetal.rank_fork``), not
+    a new interpreter: a caller that imported the launcher and the trainer once (``preload``) does not pay those
+    imports again for every step. Only where a fork means the same (``rank_fork.fork_wanted``: no GPU context)."""
     become_subreaper()
     before = frozenset(descendants(os.getpid()))  # the caller's other children (and theirs) are not the step's
     with open(log, "w") as f, _stop_signals():
-        proc = subprocess.Popen(args, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=cwd, start_new_session=True)
+        proc: subprocess.Popen[bytes] | _Forked = (
+            _Forked(args[1:], env, f, cwd) if fork else
+            subprocess.Popen(args, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=cwd, start_new_session=True))
         try:
             rc = proc.wait(max(timeout, 0.0))
         except subprocess.TimeoutExpired:
@@ -133,3 +140,31 @@ def run_step(args: list[str], log: Path, timeout: float, env: dict[str, str] | N
             raise
         end_tree(before)  # what the step left running (a rank's own child) goes with it
         return rc
+
+
+class _Forked:
+    """A step forked from this process, with the part of ``subprocess.Popen``'s interface ``run_step`` uses."""
+
+    def __init__(self, program: list[str], env: dict[str, str] | None, log: IO[str], cwd: Path | None) -> None:
+        from bimetal.rank_fork import fork_rank
+
+        def in_child() -> None:  # what Popen does for a new interpreter: its working folder, output to the log
+            if cwd is not None:
+                os.chdir(cwd)
+            os.dup2(log.fileno(), 1)
+            os.dup2(log.fileno(), 2)
+
+        self._rank = fork_rank(program, dict(os.environ if env is None else env), pipes=False, in_child=in_child)
+
+    def wait(self, timeout: float) -> int:
+        end = time.monotonic() + timeout
+        while True:
+            try:
+                rc = self._rank.poll()
+            except ChildProcessError:  # already reaped by end_tree after a timeout: it was killed
+                return -signal.SIGKILL
+            if rc is not None:
+                return rc
+            if time.monotonic() >= end:
+                raise subprocess.TimeoutExpired(self._rank.args, timeout)
+            time.sleep(0.05)

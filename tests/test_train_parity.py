@@ -96,12 +96,30 @@ def _weights(run_dir: Path, step: int = STEPS) -> dict[str, torch.Tensor]:
     return weights
 
 
+GRAD_ACCUM = [*SINGLE, "--data.batch_size=8", "--parallel.microbatches=4", "--optim.grad_accum=2",
+              f"--training.steps={SHORT}"]
+"""2 accumulation steps of 8 rows read the same 16 windows as one batch of 16, in the same 2-row microbatches."""
+
+
 @pytest.fixture(scope="module")
-def single(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    run = tmp_path_factory.mktemp("single") / "run"
-    r = _train(run, *SINGLE)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return run
+def one_process(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The one-process runs, started at once: the reference (``SINGLE``) and the gradient-accumulation run, each
+    ``python -m bimetal.train`` (the ``bimetal train`` command's own ``main``, one process without ``--simulate``)
+    forked from one interpreter that imported the trainer once (tests/forked_runs.py)."""
+    from forked_runs import runs
+
+    base = tmp_path_factory.mktemp("single")
+    folders = {"single": base / "run", "grad_accum": base / "grad_accum"}
+    done = runs([(["-m", "bimetal.train", "--config", str(DEMO), *COMMON, f"--metrics.run_dir={folders[name]}",
+                   *args], base) for name, args in (("single", SINGLE), ("grad_accum", GRAD_ACCUM))])
+    for r in done:
+        assert r.returncode == 0, r.stderr[-3000:]
+    return folders
+
+
+@pytest.fixture(scope="module")
+def single(one_process: dict[str, Path]) -> Path:
+    return one_process["single"]
 
 
 def _pipelined_run(row: int, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, str, tuple[str, ...]]:
@@ -180,19 +198,26 @@ def test_resume_after_step_5_is_identical(pipelined: tuple[str, Path, str, tuple
     assert all(again[s] == full[s] for s in again), [(s, again[s], full[s]) for s in again]
 
 
-def test_checkpoint_of_another_model_is_refused(single: Path) -> None:
-    r = _train(single, "--model.family=qwen2", "--resume", *SINGLE)
-    assert r.returncode == 2, r.stderr[-2000:]
-    assert "checkpoint" in r.stderr and "family" in r.stderr and "Traceback" not in r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+def test_checkpoint_of_another_model_is_refused(single: Path, capsys: pytest.CaptureFixture[str],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Refused before anything trains, so by ``bimetal.cli.main`` in this process (the command's own exit status and
+    sentence for a refused resume: test_nothing_lost.py)."""
+    from bimetal.cli import main
+
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "BIMETAL_SIMULATE", "BIMETAL_VENDOR"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.chdir(single.parent)
+    capsys.readouterr()
+    code = main(["train", "--config", str(DEMO), *COMMON, f"--metrics.run_dir={single}", "--model.family=qwen2",
+                 "--resume", *SINGLE])
+    out, err = capsys.readouterr()
+    assert code == 2, err[-2000:]
+    assert "checkpoint" in err and "family" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1, err
 
 
-def test_gradient_accumulation_matches_one_big_batch(single: Path, tmp_path: Path) -> None:
-    # 2 accumulation steps of 8 rows read the same 16 windows as one batch of 16, in the same 2-row microbatches.
-    run = tmp_path / "run"
-    r = _train(run, *SINGLE, "--data.batch_size=8", "--parallel.microbatches=4", "--optim.grad_accum=2",
-               f"--training.steps={SHORT}")
-    assert r.returncode == 0, r.stderr[-3000:]
+def test_gradient_accumulation_matches_one_big_batch(single: Path, one_process: dict[str, Path]) -> None:
+    run = one_process["grad_accum"]  # GRAD_ACCUM
     ref, got = _losses(single), _losses(run)
     assert sorted(got) == list(range(1, SHORT + 1))
     assert all(abs(got[s] - ref[s]) <= RTOL * abs(ref[s]) for s in got), [(s, got[s], ref[s]) for s in got]

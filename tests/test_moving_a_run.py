@@ -23,8 +23,10 @@ reference's losses and is refused on another one; during a layout change (a fixe
 resume of another model, another global batch or another sequence length, and one whose only checkpoint is
 damaged, are refused. Each refusal: exit 2, one line on stderr, nothing written (the folder hashed before and
 after); a refusal comes before any rank starts, so it runs ``bimetal.cli.main`` in this process.
-The one-process resumes run ``python -m bimetal.train`` (the command's own ``main``) forked from one interpreter
-that imported the trainer once (tests/forked_runs.py), all at once.
+The reference and the torchrun move go through their commands; the moves under ``--simulate`` (one after another)
+and the one-process resumes (all at once) run ``python -m bimetal.train`` (the ``bimetal train`` command's own
+``main``; under ``--simulate`` the job's launcher) forked from one interpreter that imported the trainer once
+(tests/forked_runs.py).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from test_train_parity import DEMO, EXE
 
 from bimetal.cli import main
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(600)  # the first test waits for the reference and every move
 RUN = ["train", "--config", str(DEMO), "--training.steps=20", "--checkpoint.every=10", "--metrics.log_every=100",
        "--data.seq_len=32", "--training.dtype=float32"]
 ONE = ["--parallel.pp=1", "--parallel.layers_per_stage=[]", "--parallel.dp=1", "--data.batch_size=16",
@@ -136,9 +138,21 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     r = _bimetal(ref, "--simulate", "nvidia:2,amd:2", "--checkpoint.every=5")  # keeps steps 10, 15 and 20
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     out: dict[str, Any] = {"reference": ref, "base": base}
+    # The moves under --simulate: python -m bimetal.train (the command's own main, the job's launcher), one after
+    # another, forked from one interpreter that imported the trainer once (tests/forked_runs.py).
+    from forked_runs import runs as forked
+
+    simulated = {}
     for name, (step, args) in MOVES.items():
         run = _from(ref / "checkpoints" / f"step-{step:06d}", base / name)
-        r = _bimetal(run, *args, "--resume")
+        if args[0] == TORCHRUN:
+            r = _bimetal(run, *args, "--resume")
+            assert r.returncode == 0, (name, r.stdout[-2000:] + r.stderr[-3000:])
+            out[name] = (run, r.stdout + r.stderr)
+        else:
+            simulated[name] = (["-m", "bimetal.train", *RUN[1:], f"--metrics.run_dir={run}", *args, "--resume"], run)
+    done = forked([(argv, run.parent) for argv, run in simulated.values()], at_once=False, timeout=600)
+    for (name, (_, run)), r in zip(simulated.items(), done):
         assert r.returncode == 0, (name, r.stdout[-2000:] + r.stderr[-3000:])
         out[name] = (run, r.stdout + r.stderr)
     return out

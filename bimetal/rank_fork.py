@@ -48,10 +48,14 @@ PRELOAD = ("torch.distributed.tensor", "torch.distributed.checkpoint", "torch.di
 """The torch packages a trainer rank imports, imported by the launcher before it forks."""
 
 RANK_PRELOAD = {"bimetal.train": "bimetal.train.trainer", "bimetal.bench.gpu_ladder_rank": "bimetal.train.trainer",
-                "bimetal.integrations.megatron": "megatron.core.models.gpt.gpt_model"}
+                "bimetal.integrations.megatron": "megatron.core.models.gpt.gpt_model",
+                "bimetal.integrations.torchtitan": "bimetal.integrations.torchtitan.cli:preload"}
 """A rank module's own heavy imports (its ``__main__`` itself must not be imported: it would run). The Megatron entry
 runs a script that imports megatron-core (about 3 s of CPU per rank); its GPT model imports nearly all of it and
-reads no rank's variable at import. Its CPU stand-ins are installed by each rank after the import either way."""
+reads no rank's variable at import. Its CPU stand-ins are installed by each rank after the import either way.
+``module:function``: a function called with the rank's arguments (after ``-m MODULE``), for a rank whose first
+imports depend on them: a simulated torchtitan rank installs its CPU stand-ins and imports torchtitan's trainer and
+the model its ``--module`` names (about 4 s of CPU per rank)."""
 
 
 def fork_wanted(env: Mapping[str, str], simulated: bool) -> bool:
@@ -70,8 +74,11 @@ def preload(rank_argv: list[str]) -> None:
     if len(rank_argv) > 1 and rank_argv[0] == "-m" and rank_argv[1] in RANK_PRELOAD:
         names.append(RANK_PRELOAD[rank_argv[1]])
     for name in names:
-        with contextlib.suppress(ImportError):
-            importlib.import_module(name)
+        module, _, function = name.partition(":")
+        with contextlib.suppress(ImportError):  # the rank imports it again and says what is missing
+            loaded = importlib.import_module(module)
+            if function:
+                getattr(loaded, function)(rank_argv[2:])
 
 
 class ForkedRank:

@@ -1,6 +1,8 @@
 """megatron-core on bimetal (``bimetal megatron``), on simulated vendors, against all-Gloo.
 
-Two jobs through the entry point train ``scripts/megatron_gpt.py`` in several layouts each, in one process per rank
+Two jobs train ``scripts/megatron_gpt.py`` in several layouts each (the ``bimetal megatron`` command's own ``main`` in
+``python -m bimetal.integrations.megatron``, both forked from one interpreter that imported megatron-core once:
+tests/forked_runs.py; the refusals below go through the command), in one process per rank
 (``tests/megatron_cases.py``: Megatron's imports cost seconds), each layout on all-Gloo (every group plain Gloo,
 the reference), cpu-forward and device-direct, same seed. Every rank writes its losses and the operations each
 process group carried. Checked: losses identical (or within 1e-6 relative) to all-Gloo; every operation that moved
@@ -16,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from launcher import bimetal, clean_env
+from launcher import ROOT, bimetal, clean_env
 
 from bimetal.integrations.megatron import available
 
@@ -42,12 +44,8 @@ def _modes() -> list[str]:
     return [m for m in MODES if m != "device-direct" or engine_unavailable() is None]
 
 
-def _job(tmp: Path, simulate: str, cases: dict[str, str]) -> dict[str, dict[int, dict[str, Any]]]:
-    """One ``bimetal megatron`` job over every case and mode; ``{"<case>.<mode>": {rank: report}}``."""
-    proc = bimetal("megatron", "--simulate", simulate, "--", "tests/megatron_cases.py", str(tmp), ",".join(_modes()),
-                   *[f"{name}={args}" for name, args in cases.items()], timeout=400)
-    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
-    assert "bimetal groups (megatron-core):" in proc.stdout, proc.stdout[-3000:]
+def _reports(tmp: Path) -> dict[str, dict[int, dict[str, Any]]]:
+    """What one job over several cases and modes wrote in ``tmp``: ``{"<case>.<mode>": {rank: report}}``."""
     out: dict[str, dict[int, dict[str, Any]]] = {}
     for path in tmp.glob("*.rank*.json"):
         if path.name.startswith("order."):
@@ -58,13 +56,34 @@ def _job(tmp: Path, simulate: str, cases: dict[str, str]) -> dict[str, dict[int,
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[int, dict[str, Any]]]:
-    return _job(tmp_path_factory.mktemp("megatron2"), "nvidia:1,amd:1", TWO)
+def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, dict[int, dict[str, Any]]]]:
+    """Both jobs (``TWO`` on nvidia:1,amd:1, ``FOUR`` on nvidia:2,amd:2), one after another, each ``python -m
+    bimetal.integrations.megatron --simulate ... -- tests/megatron_cases.py ...`` (the ``bimetal megatron`` command's
+    own ``main``: it checks the release and launches the ranks, forked from itself) forked from one interpreter that
+    imported megatron-core once (tests/forked_runs.py), not a new launcher importing it per job."""
+    from forked_runs import runs
+
+    todo = {"two": ("nvidia:1,amd:1", TWO, tmp_path_factory.mktemp("megatron2")),
+            "four": ("nvidia:2,amd:2", FOUR, tmp_path_factory.mktemp("megatron4"))}
+    done = runs([(["-m", "bimetal.integrations.megatron", "--simulate", simulate, "--", "tests/megatron_cases.py",
+                   str(tmp), ",".join(_modes()), *[f"{name}={args}" for name, args in cases.items()]], ROOT)
+                 for simulate, cases, tmp in todo.values()], env=clean_env(), at_once=False, timeout=800)
+    out = {}
+    for (name, (_, _, tmp)), proc in zip(todo.items(), done):
+        assert proc.returncode == 0, (name, proc.stdout[-3000:], proc.stderr[-3000:])
+        assert "bimetal groups (megatron-core):" in proc.stdout, proc.stdout[-3000:]
+        out[name] = _reports(tmp)
+    return out
 
 
 @pytest.fixture(scope="module")
-def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[int, dict[str, Any]]]:
-    return _job(tmp_path_factory.mktemp("megatron4"), "nvidia:2,amd:2", FOUR)
+def two_ranks(jobs: dict[str, dict[str, dict[int, dict[str, Any]]]]) -> dict[str, dict[int, dict[str, Any]]]:
+    return jobs["two"]
+
+
+@pytest.fixture(scope="module")
+def four_ranks(jobs: dict[str, dict[str, dict[int, dict[str, Any]]]]) -> dict[str, dict[int, dict[str, Any]]]:
+    return jobs["four"]
 
 
 def _case_modes(runs: dict[str, dict[int, dict[str, Any]]], case: str) -> list[str]:
@@ -104,7 +123,7 @@ def _check_traffic(runs: dict[str, dict[int, dict[str, Any]]], case: str, vendor
     return crossing
 
 
-@pytest.mark.timeout(450)
+@pytest.mark.timeout(900)  # the first test of the jobs fixture waits for both jobs
 @pytest.mark.parametrize("case", [c.partition("@")[0] for c in TWO])
 def test_two_vendors_pp2_parity_and_traffic(two_ranks: dict[str, dict[int, dict[str, Any]]], case: str) -> None:
     _check_parity(two_ranks, case)
@@ -138,7 +157,7 @@ def test_transports_match_a_peers_messages_in_posting_order(two_ranks: dict[str,
             assert record["received"] == record["peer_sent"], (mode, rank, record)
 
 
-@pytest.mark.timeout(450)
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("case", list(FOUR))
 def test_four_ranks_parity_and_traffic(four_ranks: dict[str, dict[int, dict[str, Any]]], case: str) -> None:
     _check_parity(four_ranks, case)

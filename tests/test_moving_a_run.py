@@ -23,6 +23,10 @@ reference's losses and is refused on another one; during a layout change (a fixe
 resume of another model, another global batch or another sequence length, and one whose only checkpoint is
 damaged, are refused. Each refusal: exit 2, one line on stderr, nothing written (the folder hashed before and
 after); a refusal comes before any rank starts, so it runs ``bimetal.cli.main`` in this process.
+The reference and the torchrun move go through their commands; the moves under ``--simulate`` (one after another)
+and the one-process resumes (all at once) run ``python -m bimetal.train`` (the ``bimetal train`` command's own
+``main``; under ``--simulate`` the job's launcher) forked from one interpreter that imported the trainer once
+(tests/forked_runs.py).
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ from test_train_parity import DEMO, EXE
 
 from bimetal.cli import main
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(600)  # the first test waits for the reference and every move
 RUN = ["train", "--config", str(DEMO), "--training.steps=20", "--checkpoint.every=10", "--metrics.log_every=100",
        "--data.seq_len=32", "--training.dtype=float32"]
 ONE = ["--parallel.pp=1", "--parallel.layers_per_stage=[]", "--parallel.dp=1", "--data.batch_size=16",
@@ -134,9 +138,21 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     r = _bimetal(ref, "--simulate", "nvidia:2,amd:2", "--checkpoint.every=5")  # keeps steps 10, 15 and 20
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     out: dict[str, Any] = {"reference": ref, "base": base}
+    # The moves under --simulate: python -m bimetal.train (the command's own main, the job's launcher), one after
+    # another, forked from one interpreter that imported the trainer once (tests/forked_runs.py).
+    from forked_runs import runs as forked
+
+    simulated = {}
     for name, (step, args) in MOVES.items():
         run = _from(ref / "checkpoints" / f"step-{step:06d}", base / name)
-        r = _bimetal(run, *args, "--resume")
+        if args[0] == TORCHRUN:
+            r = _bimetal(run, *args, "--resume")
+            assert r.returncode == 0, (name, r.stdout[-2000:] + r.stderr[-3000:])
+            out[name] = (run, r.stdout + r.stderr)
+        else:
+            simulated[name] = (["-m", "bimetal.train", *RUN[1:], f"--metrics.run_dir={run}", *args, "--resume"], run)
+    done = forked([(argv, run.parent) for argv, run in simulated.values()], at_once=False, timeout=600)
+    for (name, (_, run)), r in zip(simulated.items(), done):
         assert r.returncode == 0, (name, r.stdout[-2000:] + r.stderr[-3000:])
         out[name] = (run, r.stdout + r.stderr)
     return out
@@ -158,14 +174,20 @@ def test_a_checkpoint_resumes_on_another_layout_and_vendor_mix_with_the_same_los
                                  "global batch, data order, optimizer state) is kept."), moved[0]
 
 
-def test_tp2_and_fsdp_shards_to_one_process_and_the_optimizer_state_travels(runs) -> None:
-    ref = _losses(runs["reference"])
-    for name, moved in (("nvidia2-tp2", "tp 2 -> 1"), ("nvidia2-shard2", "dp_shard 2 -> 1")):
-        run = _from(runs[name][0] / "checkpoints" / "step-000015", runs["base"] / f"{name}-to-one")
-        r = _bimetal(run, *ONE, "--resume")
-        assert r.returncode == 0 and moved in r.stderr, r.stdout[-2000:] + r.stderr[-3000:]
-        _same(_losses(run), ref, range(16, 21))
+ONE_PROCESS = ("nvidia2-tp2-to-one", "nvidia2-shard2-to-one", "reset", "legacy")
+"""The one-process resumes: the tp=2 and FSDP moves' step-15 checkpoints, the double of a reset optimizer, the double
+of an old checkpoint."""
 
+
+@pytest.fixture(scope="module")
+def one_process(runs) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
+    """Every one-process resume, started at once: ``python -m bimetal.train`` (the ``bimetal train`` command's own
+    ``main``, one process without ``--simulate``) forked from one interpreter that imported the trainer once
+    (tests/forked_runs.py)."""
+    from forked_runs import runs as forked
+
+    folders = {f"{name}-to-one": _from(runs[name][0] / "checkpoints" / "step-000015", runs["base"] / f"{name}-to-one")
+               for name in ("nvidia2-tp2", "nvidia2-shard2")}
     # The double of a reset optimizer: the same checkpoint with AdamW's moments and step counts zeroed.
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -177,10 +199,22 @@ def test_tp2_and_fsdp_shards_to_one_process_and_the_optimizer_state_travels(runs
     for per_param in state["optim"]["state"].values():
         for t in per_param.values():
             t.zero_()
-    reset = runs["base"] / "reset"
-    checkpoint.save(reset / "checkpoints", 15, state, json.loads((ckpt / "extra-rank0.json").read_text()),
+    folders["reset"] = runs["base"] / "reset"
+    checkpoint.save(folders["reset"] / "checkpoints", 15, state, json.loads((ckpt / "extra-rank0.json").read_text()),
                     json.loads((ckpt / "meta.json").read_text()))
-    r = _bimetal(reset, *ONE, "--resume")
+    folders["legacy"] = _legacy(ckpt, runs["base"] / "legacy")
+    done = forked([(["-m", "bimetal.train", *RUN[1:], f"--metrics.run_dir={folders[name]}", *ONE, "--resume"],
+                    folders[name].parent) for name in ONE_PROCESS])
+    return {name: (folders[name], r) for name, r in zip(ONE_PROCESS, done)}
+
+
+def test_tp2_and_fsdp_shards_to_one_process_and_the_optimizer_state_travels(runs, one_process) -> None:
+    ref = _losses(runs["reference"])
+    for name, moved in (("nvidia2-tp2", "tp 2 -> 1"), ("nvidia2-shard2", "dp_shard 2 -> 1")):
+        run, r = one_process[f"{name}-to-one"]
+        assert r.returncode == 0 and moved in r.stderr, r.stdout[-2000:] + r.stderr[-3000:]
+        _same(_losses(run), ref, range(16, 21))
+    reset, r = one_process["reset"]
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     got = _losses(reset)
     _same({16: got[16]}, ref, range(16, 17))  # the weights of step 15 are the same
@@ -215,15 +249,17 @@ def _legacy(ckpt: Path, folder: Path) -> Path:
     return folder
 
 
-def test_an_old_checkpoint_loads_on_its_own_layout_and_is_refused_on_another(runs, capsys, monkeypatch) -> None:
+def test_an_old_checkpoint_loads_on_its_own_layout_and_is_refused_on_another(runs, one_process, capsys,
+                                                                            monkeypatch) -> None:
     ref = _losses(runs["reference"])
     tp_run, _ = runs["nvidia2-tp2"]
-    old = _legacy(tp_run / "checkpoints" / "step-000015", runs["base"] / "legacy")
+    # refused on another layout: a second copy of the double, untouched by the resume that the fixture ran
+    old = _legacy(tp_run / "checkpoints" / "step-000015", runs["base"] / "legacy-refused")
     before = _hashes(old)
     _refused(old, capsys, monkeypatch, "before checkpoints were keyed by global names", "--simulate", "nvidia:2", *ONE,
              "--parallel.dp=2", "--data.batch_size=8", "--resume")
     assert _hashes(old) == before
-    r = _bimetal(old, *ONE, "--resume")
+    old, r = one_process["legacy"]
     assert r.returncode == 0 and "on a new layout" not in r.stderr, r.stdout[-2000:] + r.stderr[-3000:]
     _same(_losses(old), ref, range(16, 21))
 

@@ -1,10 +1,13 @@
 """torchtitan 0.3.0's own trainer on bimetal (``bimetal titan``), on simulated vendors, against Gloo.
 
 The reference for every mixed run is the same torchtitan run with every group on plain Gloo
-(``--all-gloo``): per-step losses must be identical. The runs go through the commands users type: ``bimetal titan
---simulate`` (its launcher imports torchtitan once, checking the config, and forks the ranks with it imported), and
-``bimetal launch ... -m bimetal.integrations.torchtitan`` for the resumed run (each rank imports torchtitan itself,
-as under torchrun). Each rank writes
+(``--all-gloo``): per-step losses must be identical. The trained runs go through ``python -m
+bimetal.integrations.torchtitan --simulate`` (the ``bimetal titan`` command's own ``main``: it checks the config and
+the mesh and forks the ranks from itself), one after another, forked from one interpreter that imported torch and
+torchtitan once (tests/forked_runs.py); the resumed run through ``bimetal launch ... -m
+bimetal.integrations.torchtitan`` (its launcher imports torchtitan once and forks the ranks, or, on GPUs, each rank
+imports it itself, as under torchrun); the refusal through ``bimetal titan`` itself. The command's successful runs
+are test_titan_output.py's. Each rank writes
 ``<dump>/bimetal/rank<r>.json``: losses, and each mesh dimension's back-end, ranks and byte counters.
 """
 
@@ -18,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from launcher import bimetal
+from launcher import ROOT, bimetal, clean_env
 
 from bimetal.integrations.torchtitan import available
 from bimetal.integrations.torchtitan.mesh import MixedVendorDimensionError, preflight, unflatten_groups
@@ -44,6 +47,39 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
 
     tok, data = write_assets(tmp_path_factory.mktemp("titan_assets"))
     return [f"--hf_assets_path={tok}", f"--dataloader.dataset_path={data}"]
+
+
+PP2 = ["--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_schedule=1F1B",
+       "--training.steps=3"]
+PP2_CKPT = ["--checkpoint.enable", "--checkpoint.interval=2", "--checkpoint.folder=ckpt"]
+PP_TP = ["--training.steps=2", "--checkpoint.no-enable", "--parallelism.pipeline_parallel_degree=2",
+         "--parallelism.tensor_parallel_degree=2", "--parallelism.pipeline_parallel_schedule=GPipe",
+         "--layers-per-stage=4,2"]
+TITAN_RUNS = {  # name: (--simulate, arguments before COMMON and the assets, arguments after them)
+    "pp2": ("nvidia:1,amd:1", ["--layers-per-stage", "4,2"], [*PP2, *PP2_CKPT]),
+    "pp_tp-gloo": ("nvidia:2,amd:2", ["--all-gloo"], PP_TP),
+    "pp_tp": ("nvidia:2,amd:2", [], PP_TP),
+    "seed": ("nvidia:1", [], ["--checkpoint.enable", "--checkpoint.create_seed_checkpoint"]),
+}
+
+
+@pytest.fixture(scope="module")
+def titan_runs(tmp_path_factory: pytest.TempPathFactory, assets: list[str]
+               ) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
+    """Every ``TITAN_RUNS`` job, one after another: ``python -m bimetal.integrations.torchtitan --simulate ...`` (the
+    ``bimetal titan`` command's own ``main``: it checks the mesh, writes the CPU assets and launches the ranks,
+    forked from itself) forked from one interpreter that imported torch and torchtitan once (tests/forked_runs.py),
+    not a new ``bimetal titan`` launcher importing them for each job. ``{name: (dump folder, result)}``; the
+    refusal above goes through the command itself, for its exit status and its one sentence."""
+    from forked_runs import runs
+
+    dumps = {name: tmp_path_factory.mktemp(f"titan-{name}") for name in TITAN_RUNS}
+    done = runs([(["-m", "bimetal.integrations.torchtitan", "--simulate", simulate, *head, *COMMON, *assets, *tail,
+                   f"--dump_folder={dumps[name]}"], ROOT) for name, (simulate, head, tail) in TITAN_RUNS.items()],
+                env=clean_env(), at_once=False, timeout=850)
+    for name, r in zip(TITAN_RUNS, done):
+        assert r.returncode == 0, (name, r.stdout[-3000:], r.stderr[-3000:])
+    return {name: (dumps[name], r) for name, r in zip(TITAN_RUNS, done)}
 
 
 def _launch(simulate: str, args: list[str], dump: Path) -> dict[int, dict[str, Any]]:
@@ -192,19 +228,13 @@ def test_refuses_a_mixed_native_dimension_through_the_entry_point(tmp_path: Path
 
 
 @needs_titan
-@pytest.mark.timeout(600)
-def test_pp2_1f1b_two_vendors_resumes(tmp_path: Path, assets: list[str]) -> None:
+@pytest.mark.timeout(900)  # the first test of titan_runs waits for all its jobs
+def test_pp2_1f1b_two_vendors_resumes(titan_runs: dict[str, tuple[Path, subprocess.CompletedProcess]],
+                                      assets: list[str]) -> None:
     """nvidia:1,amd:1, pp=2, 1F1B, split 4/2; a checkpoint at step 2 resumed through torchtitan's checkpointer
     trains step 3 as the uninterrupted run did. (Its all-Gloo parity is held by the pipeline runs that compare
     with all-Gloo: the split 4/2 under tp below, pp=4 interleaved in test_titan_output.py.)"""
-    args = [*COMMON, *assets, "--parallelism.pipeline_parallel_degree=2",
-            "--parallelism.pipeline_parallel_schedule=1F1B", "--training.steps=3"]
-    ckpt = ["--checkpoint.enable", "--checkpoint.interval=2", "--checkpoint.folder=ckpt"]
-    # the run goes through `bimetal titan` itself (the launcher checks the mesh, then starts the ranks)
-    mixed_dir = tmp_path / "mixed"
-    proc = _run(["titan", "--simulate", "nvidia:1,amd:1", "--layers-per-stage", "4,2", *args, *ckpt,
-                 f"--dump_folder={mixed_dir}"])
-    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
+    mixed_dir, proc = titan_runs["pp2"]  # the command's main: it checks the mesh, then starts the ranks
     assert "bimetal groups (torchtitan mesh)" in proc.stdout and "bimetal_cpu_forward" in proc.stdout
     mixed = _reports(mixed_dir)
     ref = _losses(mixed)
@@ -215,37 +245,26 @@ def test_pp2_1f1b_two_vendors_resumes(tmp_path: Path, assets: list[str]) -> None
     assert steps == ["step-2", "step-3"], steps
     shutil.rmtree(mixed_dir / "ckpt" / "step-3")
     shutil.rmtree(mixed_dir / "bimetal")
-    resumed = _launch("nvidia:1,amd:1", ["--layers-per-stage=4,2", *args, *ckpt], mixed_dir)
+    resumed = _launch("nvidia:1,amd:1", ["--layers-per-stage=4,2", *COMMON, *assets, *PP2, *PP2_CKPT], mixed_dir)
     assert [e["step"] for r in resumed.values() if r["last_stage"] for e in r["losses"]] == [3]
     assert _losses(resumed) == ref[2:]
-
-
-def _titan(simulate: str, args: list[str], dump: Path, timeout: int = 300) -> dict[int, dict[str, Any]]:
-    """Ranks through ``bimetal titan --simulate``; returns each rank's report."""
-    proc = _run(["titan", "--simulate", simulate, *args, f"--dump_folder={dump}"], timeout)
-    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
-    return _reports(dump)
 
 
 STEP_LINE = re.compile(r"^\[rank(\d+)\]:.*\bstep:\s+(\d+)\s.*\bloss:\s+(\S+)")
 
 
 @needs_titan
-@pytest.mark.timeout(400)
-def test_pipeline_with_tensor_parallelism_matches_gloo(tmp_path: Path, assets: list[str]) -> None:
+@pytest.mark.timeout(900)
+def test_pipeline_with_tensor_parallelism_matches_gloo(titan_runs: dict[str, tuple[Path, subprocess.CompletedProcess]]
+                                                       ) -> None:
     """torchtitan's pp_tp_gpipe (pp 2 x tp 2, GPipe; here with the uneven split 4/2) over nvidia:2,amd:2 against the
-    same run on all-Gloo in this test: the last stage's loss under tp is a DTensor, handed to the first stage as
+    same run on all-Gloo in this file: the last stage's loss under tp is a DTensor, handed to the first stage as
     torchtitan logs it (the first stage's step line shows the same value, once per step). The 8-rank pp_dp_tp
     (pp 2 x FSDP 2 x tp 2) is a row of the matrix (``scripts/titan_matrix.py --run pp_dp_tp``, docs/torchtitan.md),
     not run here: CI time."""
-    args = [*COMMON, *assets, "--training.steps=2", "--checkpoint.no-enable",
-            "--parallelism.pipeline_parallel_degree=2", "--parallelism.tensor_parallel_degree=2",
-            "--parallelism.pipeline_parallel_schedule=GPipe", "--layers-per-stage=4,2"]
-    # both as a user types them: `bimetal titan` imports torchtitan once in its launcher, not in every rank
-    ref = _losses(_titan("nvidia:2,amd:2", ["--all-gloo", *args], tmp_path / "gloo"))
-    proc = _run(["titan", "--simulate", "nvidia:2,amd:2", *args, f"--dump_folder={tmp_path / 'mixed'}"], 300)
-    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
-    mixed = _reports(tmp_path / "mixed")
+    ref = _losses(_reports(titan_runs["pp_tp-gloo"][0]))
+    mixed_dir, proc = titan_runs["pp_tp"]
+    mixed = _reports(mixed_dir)
     assert len(ref) == 2 and _losses(mixed) == ref
     _check_groups(mixed, VENDOR_OF["nvidia:2,amd:2"])
     # every rank's step losses, first stages' included, are the last stage's
@@ -256,10 +275,11 @@ def test_pipeline_with_tensor_parallelism_matches_gloo(tmp_path: Path, assets: l
 
 
 @needs_titan
-@pytest.mark.timeout(300)
-def test_seed_checkpoint_is_step_zero_untrained(tmp_path: Path, assets: list[str]) -> None:
+@pytest.mark.timeout(900)
+def test_seed_checkpoint_is_step_zero_untrained(titan_runs: dict[str, tuple[Path, subprocess.CompletedProcess]]
+                                                ) -> None:
     """``--checkpoint.create_seed_checkpoint`` as torchtitan's own entry point runs it: one rank saves step 0 and
     trains nothing."""
-    _titan("nvidia:1", [*COMMON, *assets, "--checkpoint.enable", "--checkpoint.create_seed_checkpoint"], tmp_path)
-    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-0"]
-    assert _reports(tmp_path)[0]["losses"] == []
+    dump = titan_runs["seed"][0]
+    assert sorted(p.name for p in (dump / "checkpoint").iterdir()) == ["step-0"]
+    assert _reports(dump)[0]["losses"] == []

@@ -22,6 +22,10 @@ global batch within 1e-5 relative:
 * ``fsdp-tp-8-ranks``: pp=2 x (shard 2 x tp 2) on nvidia:4,amd:4, 5 steps: FSDP over the dp dimension of
   the mesh whose tp dimension tensor parallelism splits over (the ready H100 + MI300X configs' shape), with
   its HF export.
+
+Every run goes through ``python -m bimetal.train`` (the ``bimetal train`` command's own ``main``; with ``--simulate``
+the job's launcher, forking its ranks), one after another, forked from one interpreter that imported the trainer
+once (tests/forked_runs.py): the file pays that import once, not once per run.
 """
 
 from __future__ import annotations
@@ -34,13 +38,13 @@ from pathlib import Path
 import pytest
 import torch
 from test_dryrun import assert_state_matches_dry_run
-from test_train_parity import DEMO, EXE, RTOL, SINGLE, _transport_missing
+from test_train_parity import DEMO, RTOL, SINGLE, _transport_missing
 
 from bimetal.errors import UserError
 from bimetal.train import checkpoint
 from bimetal.train.shards import assemble
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(900)  # the first test waits for every run of the file (JOBS)
 STEPS, SHORT = 10, 5
 """Steps of the 4-rank pipelined runs (checkpoints of steps 5 and 10) and of the others (HSDP, 8 ranks)."""
 COMMON = [f"--training.steps={STEPS}", f"--checkpoint.every={SHORT}", "--metrics.log_every=100", "--data.seq_len=32"]
@@ -53,15 +57,59 @@ HSDP = ["--parallel.pp=1", "--parallel.dp=4", "--parallel.dp_shard=2", "--parall
         "--parallel.dp_transport=cpu-forward", f"--training.steps={SHORT}"]
 
 
-def _train(run_dir: Path, *args: str, simulate: str | None = "nvidia:2,amd:2", env: dict[str, str] | None = None
-           ) -> subprocess.CompletedProcess:
-    cmd = [EXE, "train", "--config", str(DEMO), *COMMON, f"--metrics.run_dir={run_dir}", *args]
-    if simulate:
-        cmd += ["--simulate", simulate]
-    full_env = {**{k: v for k, v in os.environ.items() if not k.startswith("BIMETAL_FAULT")}, **(env or {})}
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=280, cwd=run_dir.parent, env=full_env)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    return r
+HSDP_PP2 = ["--parallel.dp=4", "--parallel.dp_shard=2", "--parallel.microbatches=2", "--data.batch_size=4",
+            f"--training.steps={SHORT}", "--checkpoint.every=0"]
+FSDP_TP = ["--parallel.tp=2", "--parallel.dp_shard=2", f"--training.steps={SHORT}"]
+JOBS: dict[str, tuple[list[str], str | None, dict[str, str], str | None]] = {
+    # name: (arguments, --simulate, environment, the transport it needs)
+    "single": ([*SINGLE], None, {}, None),
+    "fsdp-cf": ([*FSDP, "--parallel.pp_transport=cpu-forward", "--max-restarts=1"], "nvidia:2,amd:2",
+                {"BIMETAL_FAULT_KILL": "3:6"}, "cpu-forward"),
+    "fsdp-dd": ([*FSDP, "--parallel.pp_transport=device-direct"], "nvidia:2,amd:2", {}, "device-direct"),
+    "ac-full": ([*AC_FULL, "--parallel.pp_transport=cpu-forward"], "nvidia:2,amd:2", {}, None),
+    "hsdp": ([*HSDP], "nvidia:2,amd:2", {}, "cpu-forward"),
+    "hsdp-pp2": ([*HSDP_PP2], "nvidia:4,amd:4", {}, None),
+    "fsdp-tp": ([*FSDP_TP], "nvidia:4,amd:4", {}, None),
+}
+"""Every run of this file; the ones exporting an HF model write it beside their run folder (``hf``)."""
+EXPORTS = ("fsdp-cf", "fsdp-tp")
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, subprocess.CompletedProcess] | str]:
+    """Every run of ``JOBS``, one after another, each ``python -m bimetal.train ARGS`` (the ``bimetal train``
+    command's own ``main``; with ``--simulate`` the launcher of the job, forking its ranks) forked from one
+    interpreter that imported the trainer once (tests/forked_runs.py): ``{name: (run folder, result)}``, or why the
+    run could not be tested."""
+    from forked_runs import runs
+
+    out: dict[str, tuple[Path, subprocess.CompletedProcess] | str] = {}
+    todo: list[tuple[str, Path]] = []
+    base = {k: v for k, v in os.environ.items() if not k.startswith("BIMETAL_FAULT")}
+    for name, (_, _, _, transport) in JOBS.items():
+        if transport is not None and (why := _transport_missing(transport)) is not None:
+            out[name] = f"{transport} not testable: {why}"
+        else:
+            todo.append((name, tmp_path_factory.mktemp(name) / "run"))
+    argvs = []
+    for name, run in todo:
+        args, simulate, _, _ = JOBS[name]
+        export = [f"--checkpoint.export_hf={run.with_name('hf')}"] if name in EXPORTS else []
+        argvs.append((["-m", "bimetal.train", "--config", str(DEMO), *COMMON, f"--metrics.run_dir={run}", *args,
+                       *export, *(["--simulate", simulate] if simulate else [])], run.parent))
+    done = runs(argvs, envs=[{**base, **JOBS[name][2]} for name, _ in todo], at_once=False, timeout=800)
+    for (name, run), r in zip(todo, done):
+        assert r.returncode == 0, (name, r.stdout[-2000:] + r.stderr[-3000:])
+        out[name] = (run, r)
+    return out
+
+
+def _job(jobs: dict[str, tuple[Path, subprocess.CompletedProcess] | str], name: str
+         ) -> tuple[Path, subprocess.CompletedProcess]:
+    got = jobs[name]
+    if isinstance(got, str):
+        pytest.skip(got)
+    return got
 
 
 def _rows(run_dir: Path) -> list[tuple[int, float]]:
@@ -114,37 +162,25 @@ def _param_tensors(stage: int) -> int:
 
 
 @pytest.fixture(scope="module")
-def single(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    run = tmp_path_factory.mktemp("single") / "run"
-    _train(run, *SINGLE, simulate=None)
-    return run
+def single(jobs) -> Path:
+    return _job(jobs, "single")[0]
 
 
 @pytest.fixture(scope="module")
-def fsdp_killed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
-    if (why := _transport_missing("cpu-forward")) is not None:
-        pytest.skip(f"cpu-forward not testable: {why}")
-    run = tmp_path_factory.mktemp("fsdp-cf") / "run"
-    r = _train(run, *FSDP, "--parallel.pp_transport=cpu-forward", f"--checkpoint.export_hf={run.with_name('hf')}",
-               "--max-restarts=1", env={"BIMETAL_FAULT_KILL": "3:6"})
+def fsdp_killed(jobs) -> tuple[Path, str]:
+    run, r = _job(jobs, "fsdp-cf")
     return run, r.stdout + r.stderr
 
 
 @pytest.fixture(scope="module")
-def fsdp_dd(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    if (why := _transport_missing("device-direct")) is not None:
-        pytest.skip(f"device-direct not testable: {why}")
-    run = tmp_path_factory.mktemp("fsdp-dd") / "run"
-    _train(run, *FSDP, "--parallel.pp_transport=device-direct")
-    return run
+def fsdp_dd(jobs) -> Path:
+    return _job(jobs, "fsdp-dd")[0]
 
 
 @pytest.fixture(scope="module")
-def ac_full(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    run = tmp_path_factory.mktemp("ac-full") / "run"
+def ac_full(jobs) -> Path:
     # Two accumulation steps of 4 rows per replica read the same windows as the single run's batch of 16.
-    _train(run, *AC_FULL, "--parallel.pp_transport=cpu-forward")
-    return run
+    return _job(jobs, "ac-full")[0]
 
 
 def test_fsdp_cpu_forward_matches_single_process_and_exports_gathered_shards(
@@ -198,11 +234,9 @@ def test_full_activation_checkpointing_matches_single_process(single: Path, ac_f
     _assert_parity(single, ac_full)
 
 
-def test_hsdp_replicates_across_vendors_and_shards_inside(single: Path, tmp_path: Path) -> None:
-    if (why := _transport_missing("cpu-forward")) is not None:
-        pytest.skip(f"cpu-forward not testable: {why}")
-    run = tmp_path / "run"
-    out = _train(run, *HSDP).stdout
+def test_hsdp_replicates_across_vendors_and_shards_inside(single: Path, jobs) -> None:
+    run, r = _job(jobs, "hsdp")
+    out = r.stdout
     table = out.split("bimetal FSDP mesh groups")[1]
     # Shard groups are the vendor islands (native); replicate groups join the islands on cpu-forward.
     assert any(line.startswith("dp.stage0.island-nvidia") and "bimetal_sim_native" in line for line in
@@ -222,10 +256,9 @@ def test_resume_onto_another_shard_degree_is_refused(tmp_path: Path) -> None:
         checkpoint.check_meta(path, {**meta, "dp_shard": 1})
 
 
-def test_hsdp_pp2_replicate2_shard2_on_8_ranks(single: Path, fsdp_killed: tuple[Path, str], tmp_path: Path) -> None:
-    run = tmp_path / "run"
-    out = _train(run, "--parallel.dp=4", "--parallel.dp_shard=2", "--parallel.microbatches=2", "--data.batch_size=4",
-                 f"--training.steps={SHORT}", "--checkpoint.every=0", simulate="nvidia:4,amd:4").stdout
+def test_hsdp_pp2_replicate2_shard2_on_8_ranks(single: Path, fsdp_killed: tuple[Path, str], jobs) -> None:
+    run, r = _job(jobs, "hsdp-pp2")  # HSDP_PP2
+    out = r.stdout
     table = out.split("bimetal FSDP mesh groups")[1]
     for name, ranks in (("dp.stage0.shard1", "2,3"), ("dp.stage0.replicate1", "1,3"), ("dp.stage1.replicate0", "4,6")):
         assert any(line.split()[:2] == [name, ranks] and "bimetal_sim_native" in line
@@ -239,10 +272,10 @@ def test_hsdp_pp2_replicate2_shard2_on_8_ranks(single: Path, fsdp_killed: tuple[
         assert got.pop("recv_buffers") * 2 == ref.pop("recv_buffers") and got == ref, (got, ref)
 
 
-def test_fsdp_composes_with_tensor_parallel_on_8_ranks(single: Path, tmp_path: Path) -> None:
-    run = tmp_path / "run"
-    layout = ["--parallel.tp=2", "--parallel.dp_shard=2", f"--training.steps={SHORT}"]
-    out = _train(run, *layout, f"--checkpoint.export_hf={run.with_name('hf')}", simulate="nvidia:4,amd:4").stdout
+def test_fsdp_composes_with_tensor_parallel_on_8_ranks(single: Path, jobs) -> None:
+    run, r = _job(jobs, "fsdp-tp")
+    layout = FSDP_TP
+    out = r.stdout
     table = out.split("bimetal FSDP mesh groups")[1]
     assert any(line.split()[:2] == ["dp.stage1.tp1", "5,7"] for line in table.splitlines()), table
     _assert_parity(single, run, steps=SHORT)

@@ -14,6 +14,10 @@ The tensor-parallel row is pp=2 x tp=2 (each stage one vendor, its two ranks spl
 embedding and the output head): the same global batch in the same 2-row microbatches, the same checks, and
 its cross-vendor bytes per step equal those of the tp=1 row (each tp rank sends only its half of the
 boundary activation).
+
+The runs but the resumes go through ``python -m bimetal.train`` (the ``bimetal train`` command's own ``main``; with
+``--simulate`` the job's launcher), one after another, forked from one interpreter that imported the trainer once
+(tests/forked_runs.py); the resumes through the ``bimetal train`` command.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(900)  # the first test waits for every run but the resumes
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "configs" / "demo.toml"
 EXE = str(Path(sys.executable).parent / "bimetal")
@@ -68,7 +72,6 @@ TP2 = ("--parallel.dp=1", "--parallel.tp=2", "--data.batch_size=16", "--parallel
 SCENARIOS: list[tuple[str, str, tuple[str, ...]]] = [("cpu-forward", "1f1b", ()), ("device-direct", "gpipe", ()),
                                                      ("cpu-forward", "1f1b", TP2)]
 IDS = ["cpu-forward-1f1b", "device-direct-gpipe", "cpu-forward-1f1b-tp2"]
-_RUNS: dict[str, tuple[str, Path, str, tuple[str, ...]]] = {}  # one run per row, shared by the tests below
 
 
 def _train(run_dir: Path, *args: str, simulate: bool = False) -> subprocess.CompletedProcess:
@@ -96,27 +99,68 @@ def _weights(run_dir: Path, step: int = STEPS) -> dict[str, torch.Tensor]:
     return weights
 
 
+GRAD_ACCUM = [*SINGLE, "--data.batch_size=8", "--parallel.microbatches=4", "--optim.grad_accum=2",
+              f"--training.steps={SHORT}"]
+"""2 accumulation steps of 8 rows read the same 16 windows as one batch of 16, in the same 2-row microbatches."""
+
+
+DP_HIER = ["--parallel.pp=1", "--parallel.dp=4", "--parallel.layers_per_stage=[]", "--parallel.microbatches=2",
+           "--data.batch_size=4", "--parallel.allow_cross_vendor_dp=true", "--parallel.dp_transport=cpu-forward",
+           f"--training.steps={SHORT}", "--simulate", "nvidia:2,amd:2"]
+"""pp=1 x dp=4 over nvidia:2,amd:2: the dp group spans vendors (the hierarchical path)."""
+_ALL: dict[str, tuple[Path, subprocess.CompletedProcess] | str] = {}
+"""Every run but the resumes, by name (``single``, ``grad_accum``, ``dp_hier``, the ``IDS``), or why it could not be
+tested here."""
+
+
+def _all_runs(factory: pytest.TempPathFactory) -> None:
+    """Every run of the file but the resumes, once, one after another, each ``python -m bimetal.train`` (the ``bimetal
+    train`` command's own ``main``; with ``--simulate`` the job's launcher, forking its ranks) forked from one
+    interpreter that imported the trainer once (tests/forked_runs.py); the resumes go through the command."""
+    if _ALL:
+        return
+    from forked_runs import runs
+
+    base = factory.mktemp("single")
+    jobs: list[tuple[str, Path, list[str]]] = [("single", base / "run", [*SINGLE]),
+                                               ("grad_accum", base / "grad_accum", [*GRAD_ACCUM])]
+    if (why := _transport_missing("cpu-forward")) is not None:
+        _ALL["dp_hier"] = f"transport cpu-forward not testable: {why}"
+    else:
+        jobs.append(("dp_hier", factory.mktemp("dp-hier") / "run", [*DP_HIER]))
+    for row, (transport, schedule, layout) in enumerate(SCENARIOS):
+        if (why := _transport_missing(transport)) is not None:
+            _ALL[IDS[row]] = f"transport {transport} not testable: {why}"
+            continue
+        run = factory.mktemp(f"pp-{IDS[row]}") / "run"
+        jobs.append((IDS[row], run, [f"--parallel.pp_transport={transport}", f"--parallel.schedule={schedule}",
+                                     *layout, f"--checkpoint.export_hf={run.with_name('hf')}", "--simulate",
+                                     "nvidia:2,amd:2"]))
+    done = runs([(["-m", "bimetal.train", "--config", str(DEMO), *COMMON, f"--metrics.run_dir={run}", *args],
+                  run.parent) for _, run, args in jobs], at_once=False, timeout=800)
+    for (name, run, _), r in zip(jobs, done):
+        assert r.returncode == 0, (name, r.stdout[-2000:] + r.stderr[-3000:])
+        _ALL[name] = (run, r)
+
+
+def _one(name: str, factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess]:
+    _all_runs(factory)
+    got = _ALL[name]
+    if isinstance(got, str):
+        pytest.skip(got)
+    return got
+
+
 @pytest.fixture(scope="module")
 def single(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    run = tmp_path_factory.mktemp("single") / "run"
-    r = _train(run, *SINGLE)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return run
+    return _one("single", tmp_path_factory)[0]
 
 
 def _pipelined_run(row: int, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, str, tuple[str, ...]]:
-    """Run scenario ``row`` once per session: (transport, run folder, stdout, layout arguments with the schedule)."""
-    if IDS[row] not in _RUNS:
-        transport, schedule, layout = SCENARIOS[row]
-        if (why := _transport_missing(transport)) is not None:
-            pytest.skip(f"transport {transport} not testable: {why}")
-        run = tmp_path_factory.mktemp(f"pp-{IDS[row]}") / "run"
-        layout = (f"--parallel.schedule={schedule}", *layout)
-        r = _train(run, f"--parallel.pp_transport={transport}", *layout,
-                   f"--checkpoint.export_hf={run.with_name('hf')}", simulate=True)
-        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-        _RUNS[IDS[row]] = (transport, run, r.stdout, layout)
-    return _RUNS[IDS[row]]
+    """Scenario ``row``'s run: (transport, run folder, stdout, layout arguments with the schedule)."""
+    transport, schedule, layout = SCENARIOS[row]
+    run, r = _one(IDS[row], tmp_path_factory)
+    return transport, run, r.stdout, (f"--parallel.schedule={schedule}", *layout)
 
 
 @pytest.fixture(scope="module", params=range(len(SCENARIOS)), ids=IDS)
@@ -180,34 +224,36 @@ def test_resume_after_step_5_is_identical(pipelined: tuple[str, Path, str, tuple
     assert all(again[s] == full[s] for s in again), [(s, again[s], full[s]) for s in again]
 
 
-def test_checkpoint_of_another_model_is_refused(single: Path) -> None:
-    r = _train(single, "--model.family=qwen2", "--resume", *SINGLE)
-    assert r.returncode == 2, r.stderr[-2000:]
-    assert "checkpoint" in r.stderr and "family" in r.stderr and "Traceback" not in r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+def test_checkpoint_of_another_model_is_refused(single: Path, capsys: pytest.CaptureFixture[str],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Refused before anything trains, so by ``bimetal.cli.main`` in this process (the command's own exit status and
+    sentence for a refused resume: test_nothing_lost.py)."""
+    from bimetal.cli import main
+
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "BIMETAL_SIMULATE", "BIMETAL_VENDOR"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.chdir(single.parent)
+    capsys.readouterr()
+    code = main(["train", "--config", str(DEMO), *COMMON, f"--metrics.run_dir={single}", "--model.family=qwen2",
+                 "--resume", *SINGLE])
+    out, err = capsys.readouterr()
+    assert code == 2, err[-2000:]
+    assert "checkpoint" in err and "family" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1, err
 
 
-def test_gradient_accumulation_matches_one_big_batch(single: Path, tmp_path: Path) -> None:
-    # 2 accumulation steps of 8 rows read the same 16 windows as one batch of 16, in the same 2-row microbatches.
-    run = tmp_path / "run"
-    r = _train(run, *SINGLE, "--data.batch_size=8", "--parallel.microbatches=4", "--optim.grad_accum=2",
-               f"--training.steps={SHORT}")
-    assert r.returncode == 0, r.stderr[-3000:]
+def test_gradient_accumulation_matches_one_big_batch(single: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    run = _one("grad_accum", tmp_path_factory)[0]  # GRAD_ACCUM
     ref, got = _losses(single), _losses(run)
     assert sorted(got) == list(range(1, SHORT + 1))
     assert all(abs(got[s] - ref[s]) <= RTOL * abs(ref[s]) for s in got), [(s, got[s], ref[s]) for s in got]
 
 
-def test_dp_across_vendors_hierarchical_matches_single_process(single: Path, tmp_path: Path) -> None:
+def test_dp_across_vendors_hierarchical_matches_single_process(single: Path,
+                                                              tmp_path_factory: pytest.TempPathFactory) -> None:
     # pp=1 x dp=4 over nvidia:2,amd:2: the dp group spans vendors, so gradients take the hierarchical path
     # (reduce-scatter in each vendor island, cross-vendor all-reduce of the shard on cpu-forward, all-gather).
-    if (why := _transport_missing("cpu-forward")) is not None:
-        pytest.skip(f"transport cpu-forward not testable: {why}")
-    run = tmp_path / "run"
-    r = _train(run, "--parallel.pp=1", "--parallel.dp=4", "--parallel.layers_per_stage=[]",
-               "--parallel.microbatches=2", "--data.batch_size=4", "--parallel.allow_cross_vendor_dp=true",
-               "--parallel.dp_transport=cpu-forward", f"--training.steps={SHORT}", simulate=True)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    run, r = _one("dp_hier", tmp_path_factory)  # DP_HIER
     assert "dp.stage0.cross0" in r.stdout and "hierarchical" in r.stdout
     ref, got = _losses(single), _losses(run)
     assert sorted(got) == list(range(1, SHORT + 1))

@@ -1,8 +1,9 @@
 """Pipeline boundaries in the compute dtype: bf16 training sends bf16 activations and gradients across vendors.
 
-One scenario, two runs through the command a user types (``bimetal train --simulate nvidia:1,amd:1``: stage 0
-on the "nvidia" rank, stage 1 on the "amd" rank, the pipeline group crossing vendors on cpu-forward): the debug
-LLaMA-3 of ``configs/demo.toml`` trained 10 steps of 32 tokens in bf16 autocast on the CPU, once with the default
+One scenario, two runs of the command a user types (``bimetal train --simulate nvidia:1,amd:1``: stage 0 on the
+"nvidia" rank, stage 1 on the "amd" rank, the pipeline group crossing vendors on cpu-forward), by its own ``main``
+in ``python -m bimetal.train`` forked from one preloaded interpreter (tests/forked_runs.py): the debug LLaMA-3 of
+``configs/demo.toml`` trained 10 steps of 32 tokens in bf16 autocast on the CPU, once with the default
 boundary (``parallel.pp_boundary_dtype = "compute"``: bf16) and once with ``float32``. Checked: the losses agree at
 every step within bf16's relative rounding (2**-8); the cross-vendor bytes of every step (metrics.jsonl, from the
 transport's own counters) are the payload of 4 microbatches x (activation + gradient) in each dtype, so the bf16
@@ -13,13 +14,12 @@ the stage outputs it held at once, read from the tensors) equals ``bimetal train
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 from test_dryrun import assert_state_matches_dry_run
-from test_train_parity import DEMO, EXE
+from test_train_parity import DEMO
 
 from bimetal.config import load_config
 from bimetal.errors import UserError
@@ -38,28 +38,17 @@ def _rows(run: Path) -> dict[int, dict]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Both jobs at once (each is mostly start-up: two CPUs serve two jobs' imports better than one)."""
-    out, procs = {}, {}
-    for boundary in ("compute", "float32"):
-        run = tmp_path_factory.mktemp(f"boundary-{boundary}") / "run"
-        procs[boundary] = subprocess.Popen(
-            [EXE, "train", "--config", str(DEMO), *ARGS, f"--parallel.pp_boundary_dtype={boundary}",
-             f"--metrics.run_dir={run}", "--simulate", "nvidia:1,amd:1"],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=run.parent)
-        out[boundary] = run
-    try:
-        for boundary, proc in procs.items():
-            stdout, stderr = proc.communicate(timeout=240)
-            assert proc.returncode == 0, f"{boundary}: " + stdout[-2000:] + stderr[-3000:]
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:  # SIGTERM first: bimetal's launcher then stops its ranks itself
-                proc.terminate()
-                try:
-                    proc.wait(timeout=20)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+    """Both jobs at once, each ``python -m bimetal.train`` (the ``bimetal train`` command's own ``main``, the job's
+    launcher under ``--simulate``) forked from one interpreter that imported the trainer once (tests/forked_runs.py):
+    each job is mostly start-up, which they share."""
+    from forked_runs import runs as forked
+
+    out = {boundary: tmp_path_factory.mktemp(f"boundary-{boundary}") / "run" for boundary in ("compute", "float32")}
+    done = forked([(["-m", "bimetal.train", "--config", str(DEMO), *ARGS, f"--parallel.pp_boundary_dtype={boundary}",
+                     f"--metrics.run_dir={run}", "--simulate", "nvidia:1,amd:1"], run.parent)
+                   for boundary, run in out.items()], timeout=240)
+    for boundary, r in zip(out, done):
+        assert r.returncode == 0, f"{boundary}: " + r.stdout[-2000:] + r.stderr[-3000:]
     return out
 
 

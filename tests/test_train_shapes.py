@@ -17,6 +17,10 @@ within 1e-5, the HF export equal to the final checkpoint; cross-vendor bytes per
 counters, summed over ranks) equal to the equal-shapes row's; a kill and restart, and a resume from the step-5
 checkpoint, bit-identical; the step-5 checkpoint moved to a uniform pp=2 x dp=2 layout continues with the same
 losses (relative 1e-5, ``docs/moving-a-run.md``).
+
+The reference and the rows run through ``python -m bimetal.train`` (the command's own ``main``), forked one after
+another from one interpreter that imported the trainer once (tests/forked_runs.py); the resumes through the
+``bimetal train`` command.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from test_train_parity import DEMO, EXE, RTOL, SINGLE, _losses, _transport_missi
 
 from bimetal.train.shards import assemble
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(900)  # the first test waits for every run of the file
 SEQ = 32  # test_train_fsdp's COMMON: 10 steps of 32 tokens, checkpoints of steps 5 and 10
 BATCH = ["--data.global_batch_size=16", "--parallel.microbatches=4", "--training.dtype=float32"]
 THREE = ["--parallel.pp=3", "--parallel.layers_per_stage=[2,1,1]", "--parallel.dp_per_stage=[2,1,1]"]
@@ -48,31 +52,61 @@ ROWS = {
 }
 KILLED = {"dp2-dp1-dp1": "2:6"}
 """Rows whose rank kills itself after a step (``BIMETAL_FAULT_KILL``); torchrun restarts it from step 5."""
-_RUNS: dict[str, tuple[Path, str]] = {}
+_RUNS: dict[str, tuple[Path, str] | str] = {}
 
 
-def _shaped(name: str, run: Path, *extra: str, kill: str = "") -> subprocess.CompletedProcess:
+def _shaped_argv(name: str, run: Path, *extra: str, kill: str = "") -> tuple[list[str], dict[str, str]]:
+    """The arguments after ``bimetal train`` of row ``name`` run in ``run``, and its environment."""
     simulate, layout = ROWS[name]
     env = {k: v for k, v in os.environ.items() if not k.startswith("BIMETAL_FAULT")}
     if kill:
         env["BIMETAL_FAULT_KILL"] = kill
         extra = (*extra, "--max-restarts=1")
-    cmd = [EXE, "train", "--config", str(DEMO), *COMMON,
-           *BATCH, "--parallel.pp_transport=cpu-forward", *layout, f"--metrics.run_dir={run}", "--simulate",
-           simulate, *extra]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=run.parent, env=env)
+    return ["--config", str(DEMO), *COMMON, *BATCH, "--parallel.pp_transport=cpu-forward", *layout,
+            f"--metrics.run_dir={run}", "--simulate", simulate, *extra], env
+
+
+def _shaped(name: str, run: Path, *extra: str, kill: str = "") -> subprocess.CompletedProcess:
+    """Row ``name`` through the ``bimetal train`` command."""
+    args, env = _shaped_argv(name, run, *extra, kill=kill)
+    return subprocess.run([EXE, "train", *args], capture_output=True, text=True, timeout=240, cwd=run.parent,
+                          env=env)
+
+
+def _all_runs(factory: pytest.TempPathFactory) -> None:
+    """The single-process reference and every row, once for the file, one after another, each ``python -m
+    bimetal.train`` (the ``bimetal train`` command's own ``main``; with ``--simulate`` the job's launcher, forking its
+    ranks) forked from one interpreter that imported the trainer once (tests/forked_runs.py). A row whose transport
+    cannot be tested here is kept as the reason."""
+    if _RUNS:
+        return
+    from forked_runs import runs
+
+    todo: list[tuple[str, Path, list[str], dict[str, str]]] = []
+    single = factory.mktemp("single") / "run"
+    todo.append(("single", single, ["--config", str(DEMO), *COMMON, f"--metrics.run_dir={single}", *SINGLE],
+                 dict(os.environ)))
+    for name in ROWS:
+        transport = "device-direct" if "-dd" in name else "cpu-forward"
+        if (why := _transport_missing(transport)) is not None:
+            _RUNS[name] = f"transport {transport} not testable: {why}"
+            continue
+        run = factory.mktemp(name) / "run"
+        todo.append((name, run, *_shaped_argv(name, run, f"--checkpoint.export_hf={run.with_name('hf')}",
+                                              kill=KILLED.get(name, ""))))
+    done = runs([(["-m", "bimetal.train", *args], run.parent) for _, run, args, _ in todo],
+                envs=[env for *_, env in todo], at_once=False, timeout=800)
+    for (name, run, _, _), r in zip(todo, done):
+        assert r.returncode == 0, (name, r.stdout[-2000:] + r.stderr[-3000:])
+        _RUNS[name] = (run, r.stdout + r.stderr)
 
 
 def _run(name: str, factory: pytest.TempPathFactory) -> tuple[Path, str]:
-    if name not in _RUNS:
-        transport = "device-direct" if "-dd" in name else "cpu-forward"
-        if (why := _transport_missing(transport)) is not None:
-            pytest.skip(f"transport {transport} not testable: {why}")
-        run = factory.mktemp(name) / "run"
-        r = _shaped(name, run, f"--checkpoint.export_hf={run.with_name('hf')}", kill=KILLED.get(name, ""))
-        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-        _RUNS[name] = (run, r.stdout + r.stderr)
-    return _RUNS[name]
+    _all_runs(factory)
+    got = _RUNS[name]
+    if isinstance(got, str):
+        pytest.skip(got)
+    return got
 
 
 def _all_weights(run: Path) -> dict[str, torch.Tensor]:
@@ -106,11 +140,7 @@ def _sharded(run: Path) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def single(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    run = tmp_path_factory.mktemp("single") / "run"
-    r = subprocess.run([EXE, "train", "--config", str(DEMO), *COMMON, f"--metrics.run_dir={run}", *SINGLE],
-                       capture_output=True, text=True, timeout=240, cwd=run.parent)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return run
+    return _run("single", tmp_path_factory)[0]
 
 
 @pytest.mark.parametrize("name", list(ROWS))

@@ -500,6 +500,22 @@ def run_rank(titan_args: list[str], cpu: bool, split: list[int] | None, pp_trans
     return 0
 
 
+def preload(rank_args: list[str]) -> None:
+    """What a simulated rank of ``rank_args`` does first (``run_rank`` with ``cpu``: the CPU stand-ins, torchtitan's
+    trainer and the ``--module`` model imported), done once by a launcher that forks its ranks
+    (``bimetal.rank_fork.RANK_PRELOAD``), as ``bimetal titan --simulate`` does before it launches. What torchtitan logs
+    while it is imported is dropped, as that launcher drops it. Without ``--module`` nothing is done (the
+    rank refuses the run itself)."""
+    from bimetal.integrations.torchtitan import cpu_support
+
+    try:
+        module = _module_name(rank_args)
+    except UserError:
+        return
+    with held_back(show=False):
+        cpu_support.install(module)
+
+
 def rank_main() -> int:
     """``python -m bimetal.integrations.torchtitan``: errors a user can cause end in one sentence, exit 2."""
     from bimetal.integrations.common import rank_entry  # the rank's imports, not the argument check's

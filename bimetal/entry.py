@@ -27,9 +27,18 @@ def run_command(label: str, func: Callable[[list[str]], int | None], argv: list[
     pipeline stage and its schedule) are freed while the interpreter is whole, so each group's destructor
     joins Gloo's worker threads; left to interpreter shutdown, a worker still releasing the last collective's
     tensors needs the GIL after finalization began and the rank aborts after a finished run.
+
+    What the process held before the command (its imported modules: torch's are some 300 000 objects) goes to
+    the collector's permanent generation while the command runs, so that last collection, and every full one on
+    the way, walks only what the command made (about 0.2 s of CPU less each, per console call and per in-process
+    call in the tests); it is taken back afterwards. A forked rank's parent froze its objects already
+    (``bimetal.rank_fork``): that is left as it is.
     """
     if os.environ.get("RANK", "").isdigit():
         rank_logging(int(os.environ["RANK"]))
+    froze = gc.get_freeze_count() == 0
+    if froze:
+        gc.freeze()
     try:
         return int(func(argv) or 0)
     except UserError as exc:
@@ -52,3 +61,5 @@ def run_command(label: str, func: Callable[[list[str]], int | None], argv: list[
         raise
     finally:
         gc.collect()
+        if froze:
+            gc.unfreeze()

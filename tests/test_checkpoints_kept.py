@@ -177,13 +177,16 @@ def test_pp_boundary_dtype_is_kept_on_a_resume_unless_accepted(run: Path, capsys
     assert "parallel.pp_boundary_dtype 'compute' -> 'float32'" in said[0], said
 
 
-def test_an_export_into_the_working_directory_is_refused_before_ranks_start(tmp_path: Path) -> None:
+def test_an_export_into_the_working_directory_is_refused_before_ranks_start(tmp_path: Path, capsys,
+                                                                             monkeypatch) -> None:
     """The case of the issue: a relative export path naming the folder the run works in."""
     (tmp_path / "keep.txt").write_text("the user's")
     before = _hashes(tmp_path)
-    proc = _run(["train", *TINY, "--simulate", "nvidia:1,amd:1", "--metrics.run_dir=run", "--checkpoint.export_hf=."],
-                cwd=tmp_path)
-    _refused(proc, f"checkpoint.export_hf='.' is the working directory {tmp_path}")
+    # refused before any rank starts: by bimetal.cli.main in this process (an export refused through the executable:
+    # test_nothing_lost.py's export-beside-other-weights)
+    _refused_here(capsys, monkeypatch, ["train", *TINY, "--simulate", "nvidia:1,amd:1", "--metrics.run_dir=run",
+                                        "--checkpoint.export_hf=."], tmp_path,
+                  f"checkpoint.export_hf='.' is the working directory {tmp_path}")
     assert _hashes(tmp_path) == before
 
 

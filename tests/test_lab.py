@@ -126,7 +126,7 @@ def test_a_failed_node_does_not_hold_the_lab_for_the_whole_timeout(make_lab: Any
     lab = make_lab(nodes=[{"name": "nv", "vendor": "nvidia", "ranks": 1}, {"name": "amd", "vendor": "amd", "ranks": 1}])
     script = tmp_path / "rank.py"  # the amd rank fails at once; the nvidia rank hangs, as a survivor of a lost peer may
     script.write_text("import os, sys, time\nif os.environ['RANK'] == '1':\n    sys.exit(3)\ntime.sleep(300)\n")
-    results = lab.run([str(script)], timeout=300, capture=True, grace=3)  # the test's own timeout is 120 s
+    results = lab.run([str(script)], timeout=300, capture=True, grace=1)  # the test's own timeout is 120 s
     codes = {r.node: r.returncode for r in results}
     assert codes["amd"] not in (0, 124) and codes["nv"] == 124, codes
     nv = next(r for r in results if r.node == "nv")

@@ -15,12 +15,13 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from launcher import bimetal, clean_env
+from launcher import clean_env
 
 from bimetal.lab import faults
 from bimetal.lab.cluster import Elastic
@@ -79,22 +80,30 @@ def test_losing_the_amd_island_goes_on_on_nvidia_and_grows_back_when_it_returns(
                                    env=lab.node_env(node, {**share, **extra}), stdout=out, stderr=subprocess.STDOUT,
                                    cwd=ROOT)
 
+    refs: dict[int, subprocess.Popen[str]] = {}
     try:
         for node in ("nv", "amd"):  # nv sorts first by address: rank 0, stage 0; amd rank 1, the last stage
             start(node, node, {"BIMETAL_FAULT_STALL": stall[node]})
         _wait_for(logs["amd"], f"step     6/{STEPS}", list(procs.values()), 120)
         assert (run / "checkpoints" / "step-000004" / "COMPLETE").exists()
         assert faults.kill_node(lab, "amd")
+        refs[4] = _reference(run, tmp_path, 4, "nvidia:1")  # trains while the job restarts and waits for amd
         _wait_for(logs["nv"], "bimetal restart: lost node amd", [procs["nv"]], 90)
         _wait_until(run / "checkpoints" / "step-000008" / "COMPLETE", procs["nv"], logs["nv"], 90)
         start("amd", "amd-back", {})  # the same command, as a node that was repaired would run it
         assert procs["nv"].wait(timeout=150) == 0, logs["nv"].read_text(errors="replace")[-4000:]
         assert procs["amd-back"].wait(timeout=30) == 0, logs["amd-back"].read_text(errors="replace")[-4000:]
+        refs[8] = _reference(run, tmp_path, 8, "nvidia:1,amd:1")
+        done = {step: ref.communicate(timeout=120) for step, ref in refs.items()}
     finally:
         for node in ("nv", "amd"):
             faults.kill_node(lab, node)
         for proc in procs.values():
             proc.wait(timeout=10)
+        for ref in refs.values():
+            if ref.poll() is None:
+                ref.kill()
+                ref.wait()
     nv = logs["nv"].read_text(errors="replace")
     picks = [ln for ln in nv.splitlines() if "parallel.layout='auto' on" in ln]
     assert len(picks) == 3, nv[-4000:]
@@ -116,15 +125,22 @@ def test_losing_the_amd_island_goes_on_on_nvidia_and_grows_back_when_it_returns(
     got = _losses(run)
     assert sorted(got) == list(range(1, STEPS + 1)), got
     for step, simulate, steps in ((4, "nvidia:1", range(5, 9)), (8, "nvidia:1,amd:1", range(9, STEPS + 1))):
-        ref = tmp_path / f"ref{step}"
-        name = f"step-{step:06d}"
-        shutil.copytree(run / "checkpoints" / name, ref / "checkpoints" / name)
-        done = bimetal("train", *ARGS, f"--metrics.run_dir={ref}", "--simulate", simulate, "--resume",
-                       env=clean_env(), timeout=120)
-        assert done.returncode == 0, done.stderr[-3000:]
+        out, err = done[step]
+        assert refs[step].returncode == 0, err[-3000:]
         layout = "pp=1 x dp=1" if simulate == "nvidia:1" else "pp=2 x dp=1"
-        assert f"parallel.layout='auto' on {simulate} on 1 node: {layout}" in done.stdout, done.stdout[-3000:]
-        want = _losses(ref)
+        assert f"parallel.layout='auto' on {simulate} on 1 node: {layout}" in out, out[-3000:]
+        want = _losses(tmp_path / f"ref{step}")
         assert sorted(want) == list(range(step + 1, STEPS + 1)), want
         for s in steps:
             assert got[s] == pytest.approx(want[s], rel=1e-5), (s, got, want)
+
+
+def _reference(run: Path, tmp_path: Path, step: int, simulate: str) -> subprocess.Popen[str]:
+    """``bimetal train --simulate SIMULATE --resume`` from a copy of the run's checkpoint of ``step`` (complete
+    when this is called), started now and left running: the first trains while the job goes on."""
+    ref = tmp_path / f"ref{step}"
+    name = f"step-{step:06d}"
+    shutil.copytree(run / "checkpoints" / name, ref / "checkpoints" / name)
+    return subprocess.Popen([sys.executable, "-m", "bimetal.cli", "train", *ARGS, f"--metrics.run_dir={ref}",
+                             "--simulate", simulate, "--resume"], env=clean_env(), cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)

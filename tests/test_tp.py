@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from launcher import bimetal, launch
+from cli_inprocess import cli_main
+from launcher import launch
 
 from bimetal.errors import UserError
 from bimetal.train import checkpoint
@@ -39,13 +40,16 @@ def test_tp2_matches_the_single_device_model(tmp_path: Path) -> None:
         assert not bad, f"{f.name}: " + "\n".join(bad[:10])
 
 
-def test_tp_that_does_not_divide_the_heads_is_refused_before_launch(tmp_path: Path) -> None:
-    # 3 divides neither the debug model's 4 heads nor the world; the heads are named, and nothing launches.
-    proc = bimetal("train", "--config", str(DEMO), "--parallel.dp=1", "--parallel.tp=3",
-                   f"--metrics.run_dir={tmp_path / 'run'}", "--simulate", "nvidia:3,amd:3", timeout=60)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "parallel.tp=3" in proc.stderr and "n_heads=4" in proc.stderr and "Traceback" not in proc.stderr
-    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+def test_tp_that_does_not_divide_the_heads_is_refused_before_launch(tmp_path: Path, capsys, monkeypatch) -> None:
+    # 3 divides neither the debug model's 4 heads nor the world; the heads are named, and nothing launches. The
+    # refusal comes before any rank: by bimetal.cli.main in this process (cli_inprocess); a layout refused through
+    # the executable is test_first_contact.py's no-simulate-outside-torchrun.
+    code, _, err = cli_main(["train", "--config", str(DEMO), "--parallel.dp=1", "--parallel.tp=3",
+                             f"--metrics.run_dir={tmp_path / 'run'}", "--simulate", "nvidia:3,amd:3"], capsys,
+                            monkeypatch)
+    assert code == 2, err[-2000:]
+    assert "parallel.tp=3" in err and "n_heads=4" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "run").exists()
 
 

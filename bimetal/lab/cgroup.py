@@ -4,9 +4,12 @@ Each rank of a lab gets ``/sys/fs/cgroup/cpu/bml-<id>-<node>-r<local_rank>``; ``
 ``cpu.cfs_period_us`` is its CPU share (-1 = unlimited, which still lets a fault slow it later).
 A rank joins its cgroup itself before it execs the real program::
 
-    python -m bimetal.lab.cgroup enter /sys/fs/cgroup/cpu/bml-pair-n0 -- -m bimetal.train ...
+    python .../bimetal/lab/cgroup.py enter /sys/fs/cgroup/cpu/bml-pair-n0 -- -m bimetal.train ...
 
-so torchrun's per-rank processes (and every thread and child of them) are capped, not torchrun itself.
+so torchrun's per-rank processes (and every thread and child of them) are capped, not torchrun itself. The step
+runs this file by its path, not as ``-m bimetal.lab.cgroup``: importing the ``bimetal`` package imports torch
+(about 2.3 s of CPU) to register its back-ends, which a process that only joins a cgroup and execs does not need.
+So this module imports nothing of bimetal at the top (bimetal's own modules only where a function needs them).
 """
 
 from __future__ import annotations
@@ -17,8 +20,6 @@ import signal
 import sys
 import time
 from pathlib import Path
-
-from bimetal.errors import UserError
 
 CPU_ROOT = Path("/sys/fs/cgroup/cpu")
 PERIOD_US = 100_000
@@ -36,6 +37,8 @@ def rank_cgroup(lab_id: str, node: str, local_rank: int) -> Path:
 
 def require_cpu_controller() -> None:
     if not (CPU_ROOT / "cpu.cfs_quota_us").exists():
+        from bimetal.errors import UserError
+
         raise UserError(
             f"no cgroup v1 cpu controller at {CPU_ROOT} (cpu.cfs_quota_us missing); mount it "
             "(mount -t cgroup -o cpu cgroup /sys/fs/cgroup/cpu) or leave cpu_share out of the spec"
@@ -85,6 +88,8 @@ def remove(path: Path, timeout: float = 5.0) -> None:
             return
         except OSError:
             if time.monotonic() > deadline:
+                from bimetal.errors import UserError
+
                 raise UserError(f"cannot remove cgroup {path}: tasks {pids} stay in it") from None
             time.sleep(0.05)
 
@@ -107,6 +112,8 @@ RANK_ENV = "BIMETAL_LAB_RANK_ENV"
 def apply_rank_env(local_rank: int) -> None:
     """Per-rank settings a node-wide environment cannot give: ``$BIMETAL_LAB_RANK_ENV`` is a JSON object of
     templates, ``{nic}`` / ``{nic_addr}`` being NIC ``local_rank % K`` of this namespace (one NIC per rank)."""
+    if not os.environ.get(RANK_ENV):  # unset: no bimetal import (and so no torch) in the rank's cgroup step
+        return
     from bimetal import env
 
     raw = env.read(RANK_ENV)
@@ -126,7 +133,7 @@ def apply_rank_env(local_rank: int) -> None:
 def _enter(argv: list[str]) -> int:
     """``enter BASE -- ARGS``: join ``BASE-r$LOCAL_RANK`` and exec ``python ARGS``."""
     if len(argv) < 3 or argv[0] != "enter" or argv[2] != "--" or len(argv) < 4:
-        print("usage: python -m bimetal.lab.cgroup enter BASE -- <script or -m module> [args]", file=sys.stderr)
+        print("usage: python bimetal/lab/cgroup.py enter BASE -- <script or -m module> [args]", file=sys.stderr)
         return 2
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     join(Path(f"{argv[1]}-r{local_rank}"))
@@ -136,4 +143,6 @@ def _enter(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
+        del sys.path[0]  # run by its path: this package's folder is no place to find other modules
     sys.exit(_enter(sys.argv[1:]))

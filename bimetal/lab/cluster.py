@@ -256,7 +256,7 @@ class LabCluster:
                     "--monitor-interval=0.5"]
         if cgroup.CPU_ROOT.exists():
             base = str(cgroup.cgroup_base(self.spec.lab_id, node))
-            return [*cmd, "-m", "bimetal.lab.cgroup", "enter", base, "--", *rank_argv]
+            return [*cmd, str(Path(cgroup.__file__).resolve()), "enter", base, "--", *rank_argv]
         return [*cmd, *rank_argv] if rank_argv[0] != "-m" else [*cmd, "--module", *rank_argv[1:]]
 
     def run(self, rank_argv: Sequence[str], timeout: float = 600, extra_env: dict[str, str] | None = None,

@@ -14,16 +14,22 @@ Two launched jobs, each checking several things (and the first one's all-Gloo re
   made per layer hit the recompile limit in step 2, without Inductor's C++ build) and rank 1 killed after step 2
   (``BIMETAL_FAULT_KILL``): both steps run compiled, the launcher's sentence names ``bimetal titan``, rank 1's
   hidden output stays hidden but for its stderr tail shown with the failure.
+
+The three jobs run one after another as ``python -m bimetal.integrations.torchtitan --simulate ...`` (the ``bimetal
+titan`` command's own ``main``: it checks the mesh, writes the assets and launches the ranks, forked from itself),
+forked from one interpreter that imported torch and torchtitan once (``tests/forked_runs.py``), not a new launcher
+importing them per job (~6 s of CPU each).
 """
 
 from __future__ import annotations
 
 import json
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
-from launcher import bimetal, clean_env
+from launcher import clean_env
 
 from bimetal.integrations.torchtitan import available
 
@@ -36,6 +42,7 @@ PP4 = ["titan", "--simulate", "nvidia:2,amd:2", *COMMON, "--parallelism.pipeline
        "--parallelism.pipeline_parallel_schedule=Interleaved1F1B"]
 STEP = re.compile(r"step:\s+(\d+)\s+loss:\s+(\S+)\s+grad_norm:\s+\S+\s+memory:\s+(\S+)GiB")
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _lines(text: str) -> list[str]:
@@ -52,12 +59,28 @@ def _steps(lines: list[str], rank: int) -> dict[int, tuple[str, float]]:
     return out
 
 
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, subprocess.CompletedProcess]]:
+    """The three jobs, one after another (see the module docstring): (their folder, name -> result)."""
+    from forked_runs import runs
+
+    tmp = tmp_path_factory.mktemp("titan")
+    todo = {"gloo": ([*PP4, "--all-gloo", f"--dump_folder={tmp / 'gloo'}"], clean_env()),
+            "mixed": ([*PP4, "--local-ranks-filter", "0,3", f"--dump_folder={tmp / 'mixed'}"], clean_env()),
+            "compile": (["titan", "--simulate", "nvidia:2", *COMMON, "--compile.enable", "--compile.backend=aot_eager",
+                         f"--dump_folder={tmp / 'compile'}"], clean_env(BIMETAL_FAULT_KILL="1:2"))}
+    done = runs([(["-m", "bimetal.integrations.torchtitan", *argv[1:]], ROOT) for argv, _ in todo.values()],
+                env=clean_env(), envs=[env for _, env in todo.values()], at_once=False, timeout=540)
+    return tmp, dict(zip(todo, done))
+
+
 @pytest.mark.timeout(600)
-def test_pp4_interleaved_per_hop_prefixed_filtered_and_like_all_gloo(tmp_path: Path) -> None:
-    gloo = bimetal(*PP4, "--all-gloo", f"--dump_folder={tmp_path / 'gloo'}", timeout=280)
+def test_pp4_interleaved_per_hop_prefixed_filtered_and_like_all_gloo(jobs) -> None:
+    tmp_path, done = jobs
+    gloo = done["gloo"]
     assert gloo.returncode == 0, gloo.stderr[-3000:]
     ref = [e["loss"] for e in json.loads((tmp_path / "gloo" / "bimetal" / "rank3.json").read_text())["losses"]]
-    proc = bimetal(*PP4, "--local-ranks-filter", "0,3", f"--dump_folder={tmp_path / 'mixed'}", timeout=280)
+    proc = done["mixed"]
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
     out, err = _lines(proc.stdout), _lines(proc.stderr)
     ranked = [line for line in out + err if line.startswith("[rank")]
@@ -93,10 +116,9 @@ def test_pp4_interleaved_per_hop_prefixed_filtered_and_like_all_gloo(tmp_path: P
         assert ca["bytes_sent"] == cb["bytes_received"] > 0 and cb["bytes_sent"] == ca["bytes_received"] > 0
 
 
-def test_compile_with_fsdp_runs_and_a_crash_names_bimetal_titan(tmp_path: Path) -> None:
-    args = ["titan", "--simulate", "nvidia:2", *COMMON, "--compile.enable", "--compile.backend=aot_eager",
-            f"--dump_folder={tmp_path}"]
-    proc = bimetal(*args, env=clean_env(BIMETAL_FAULT_KILL="1:2"), timeout=280)
+@pytest.mark.timeout(600)
+def test_compile_with_fsdp_runs_and_a_crash_names_bimetal_titan(jobs) -> None:
+    proc = jobs[1]["compile"]
     out, err = _lines(proc.stdout), _lines(proc.stderr)
     assert proc.returncode == 1, (proc.stdout[-2000:], proc.stderr[-3000:])
     # the launcher's sentences (rank 0, done with its steps, may yet be stopped by it if its exit is slow)

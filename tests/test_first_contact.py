@@ -4,7 +4,10 @@ Every refusal: exit status 2, one line on stderr starting ``bimetal``, no traceb
 nothing written to the run folder; one case per family through the console script, the rest by ``bimetal.cli.main``
 in this process (``cli_inprocess``). The multi-rank rows (a run with no config, a rank that dies, SIGTERM to
 ``bimetal train``, an error only a rank can see, a device-direct fallback) are few and a handful of steps
-long. The in-process catalogue of bad inputs is ``test_bad_inputs.py``.
+long; but for the SIGTERM one (sent to the console script) they run side by side as ``python -m bimetal.train
+--simulate ...`` (the ``bimetal train`` command's own ``main``: its checks, then the launcher of the job's ranks)
+forked from one interpreter that imported the trainer once (``tests/forked_runs.py``), not a new interpreter
+importing it per run (~3.5 s of CPU each). The in-process catalogue of bad inputs is ``test_bad_inputs.py``.
 """
 
 from __future__ import annotations
@@ -132,9 +135,36 @@ def test_refused_before_any_rank_starts_in_process(extra: dict[str, str], build:
     assert "bimetal cluster view" not in out  # no rank started
 
 
-def test_simulate_without_config_chooses_the_layout_and_trains_as_one_job(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    proc = _run(["train", "--simulate", "nvidia:2,amd:2", "--training.steps=2", *TINY, f"--metrics.run_dir={run_dir}"])
+# (name, argv after ``bimetal train``, environment additions) of the runs that start ranks, each in a folder of its own
+RUNS: list[tuple[str, list[str], dict[str, str]]] = [
+    ("no-config", ["--simulate", "nvidia:2,amd:2", "--training.steps=2", *TINY], {}),
+    # an RDMA device that this host does not have is found by the ranks when they start their engines
+    ("rank-sees-error", ["--simulate", "nvidia:1,amd:1", "--parallel.pp_transport=device-direct", "--training.steps=2",
+                         *TINY], {"BIMETAL_DD_PROTOCOL": "rdma", "BIMETAL_DD_FALLBACK": "error",
+                                  "BIMETAL_DD_DEVICES": "mlx5_9"}),
+    ("two-versions", ["--simulate", "nvidia:1,amd:1", "--training.steps=2", *TINY],
+     {"BIMETAL_TEST_CLAIM_VERSIONS": "1:bimetal=0.0.9"}),
+    ("dd-fallback", ["--simulate", "nvidia:1,amd:1", "--parallel.pp_transport=device-direct", "--training.steps=2",
+                     *TINY], {"BIMETAL_DD_PROTOCOL": "rdma", "BIMETAL_DD_FALLBACK": "cpu-forward"}),
+    ("rank-dies", ["--simulate", "nvidia:1,amd:1", "--training.steps=4", *TINY], {"BIMETAL_FAULT_KILL": "1:2"}),
+]
+
+
+@pytest.fixture(scope="module")
+def runs_done(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
+    """Every run of ``RUNS``, once and side by side (see the module docstring): name -> (result, its run folder)."""
+    from forked_runs import runs
+
+    folders = {name: tmp_path_factory.mktemp(name) / "run" for name, _, _ in RUNS}
+    done = runs([(["-m", "bimetal.train", *args, f"--metrics.run_dir={folders[name]}"], ROOT)
+                 for name, args, _ in RUNS], env=clean_env(), envs=[clean_env(**extra) for _, _, extra in RUNS],
+                timeout=200)
+    return {name: (proc, folders[name]) for (name, _, _), proc in zip(RUNS, done)}
+
+
+@pytest.mark.timeout(240)
+def test_simulate_without_config_chooses_the_layout_and_trains_as_one_job(runs_done) -> None:
+    proc, run_dir = runs_done["no-config"]
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     out = proc.stdout
     assert "layout chosen from the 4 simulated ranks: pp=2 x dp=2" in out, out[:2000]
@@ -145,34 +175,28 @@ def test_simulate_without_config_chooses_the_layout_and_trains_as_one_job(tmp_pa
     assert "Traceback" not in proc.stderr, proc.stderr
 
 
-def test_an_error_only_a_rank_sees_is_one_sentence_from_the_launcher(tmp_path: Path) -> None:
-    # an RDMA device that this host does not have is found by the ranks when they start their engines
-    run_dir = tmp_path / "run"
-    proc = _run(["train", "--simulate", "nvidia:1,amd:1", "--parallel.pp_transport=device-direct", "--training.steps=2",
-                 *TINY, f"--metrics.run_dir={run_dir}"],
-                clean_env(BIMETAL_DD_PROTOCOL="rdma", BIMETAL_DD_FALLBACK="error", BIMETAL_DD_DEVICES="mlx5_9"))
+@pytest.mark.timeout(240)
+def test_an_error_only_a_rank_sees_is_one_sentence_from_the_launcher(runs_done) -> None:
+    proc, run_dir = runs_done["rank-sees-error"]
     _one_sentence(proc, "the device-direct engine could not start")
     assert "BIMETAL_DD_DEVICES (or the devices option) names mlx5_9, which is not an RDMA device of this host" \
         in proc.stderr, proc.stderr
     assert not run_dir.exists(), sorted(run_dir.rglob("*"))
 
 
-def test_ranks_of_two_bimetal_versions_are_refused_naming_both(tmp_path: Path) -> None:
+@pytest.mark.timeout(240)
+def test_ranks_of_two_bimetal_versions_are_refused_naming_both(runs_done) -> None:
     """Rank 1 claims another bimetal release (the test hook ``BIMETAL_TEST_CLAIM_VERSIONS``): the topology
     exchange stops both ranks with one sentence naming the two ranks and their versions, before any group."""
-    run_dir = tmp_path / "run"
-    proc = _run(["train", "--simulate", "nvidia:1,amd:1", "--training.steps=2", *TINY, f"--metrics.run_dir={run_dir}"],
-                clean_env(BIMETAL_TEST_CLAIM_VERSIONS="1:bimetal=0.0.9"))
+    proc, run_dir = runs_done["two-versions"]
     _one_sentence(proc, "bimetal train: ranks 0 and 1 run different bimetal versions (rank 0: 0.1.0, rank 1: 0.0.9); "
                         "install one bimetal release on every node.")
     assert "bimetal groups" not in proc.stdout and not run_dir.exists()
 
 
-def test_device_direct_fallback_is_labelled_in_the_table_and_the_summary(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    proc = _run(["train", "--simulate", "nvidia:1,amd:1", "--parallel.pp_transport=device-direct", "--training.steps=2",
-                 *TINY, f"--metrics.run_dir={run_dir}"], clean_env(BIMETAL_DD_PROTOCOL="rdma",
-                                                              BIMETAL_DD_FALLBACK="cpu-forward"))
+@pytest.mark.timeout(240)
+def test_device_direct_fallback_is_labelled_in_the_table_and_the_summary(runs_done) -> None:
+    proc, run_dir = runs_done["dd-fallback"]
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     table = proc.stdout.split("bimetal groups", 1)[1].split("step ", 1)[0]
     assert "bimetal_cpu_forward (fallback from bimetal_device_direct)" in table, table
@@ -183,9 +207,9 @@ def test_device_direct_fallback_is_labelled_in_the_table_and_the_summary(tmp_pat
     assert warnings and all(line.startswith("[rank ") for line in warnings), proc.stderr  # each rank's, prefixed
 
 
-def test_a_rank_that_dies_is_named_with_its_vendor_signal_and_step(tmp_path: Path) -> None:
-    proc = _run(["train", "--simulate", "nvidia:1,amd:1", "--training.steps=4", *TINY,
-                 f"--metrics.run_dir={tmp_path / 'run'}"], clean_env(BIMETAL_FAULT_KILL="1:2"))
+@pytest.mark.timeout(240)
+def test_a_rank_that_dies_is_named_with_its_vendor_signal_and_step(runs_done) -> None:
+    proc = runs_done["rank-dies"][0]
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-3000:]
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert lines[0] == "bimetal train: rank 1 (amd) was killed by SIGKILL after completing step 2; the job stopped.", \

@@ -207,7 +207,6 @@ NOTHING_LOST: list[tuple[str, dict[str, str], object, str]] = [
     ("resume-another-model", {}, lambda t: ["train", "--resume", "--resume-changed", "--model.family=qwen2",
                                             f"--metrics.run_dir={_checkpoint(t)}"], "family='llama3'"),
     ("resume-changed-without-resume", {}, lambda t: ["train", "--resume-changed"], "checkpoint.resume is off"),
-    ("json-without-dry-run", {}, lambda t: ["train", "--json"], "--json formats the --dry-run report"),
     ("max-restarts-without-simulate", {}, lambda t: ["train", "--max-restarts=1"], "--max-restarts needs --simulate"),
     ("simulate-device-without-simulate", {"BIMETAL_SIMULATE_DEVICE": "cuda"}, lambda t: ["train"],
      "only applies to simulated ranks"),

@@ -201,12 +201,18 @@ def test_unwritable_checkpoint_folder_is_found_by_the_ranks_before_step_1(tmp_pa
 
 # ---- the dry-run sees what the run does ----
 
-def test_dry_run_sizes_the_layout_the_run_trains() -> None:
-    proc = _run(["train", "--simulate", "nvidia:2,amd:2", "--dry-run", "--json"])
-    assert proc.returncode == 0, proc.stderr
-    report = json.loads(proc.stdout)
+def test_dry_run_sizes_the_layout_the_run_trains(capsys, monkeypatch) -> None:
+    # by bimetal.cli.main in this process: a dry-run starts no rank (the console script's --dry-run --json, its
+    # stdout read as JSON: test_dryrun.py). The trainer is imported first: the import sets torch's
+    # TORCHINDUCTOR_CACHE_DIR, once per process, which cli_main would take for the command's doing.
+    import bimetal.train.trainer  # noqa: F401
+
+    code, out, err = cli_main(["train", "--simulate", "nvidia:2,amd:2", "--dry-run", "--json"], capsys, monkeypatch,
+                              cwd=ROOT)
+    assert code == 0, err
+    report = json.loads(out)
     assert len(report["stages"]) == 2 and report["files_checked"] is True  # pp=2, checked as the run checks
-    assert "layout chosen from the 4 simulated ranks: pp=2 x dp=2" in proc.stderr  # JSON stays alone on stdout
+    assert "layout chosen from the 4 simulated ranks: pp=2 x dp=2" in err  # JSON stays alone on stdout
 
 
 # ---- exports replace, never mix ----

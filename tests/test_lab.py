@@ -331,13 +331,13 @@ def _delays_ms(lab: Any) -> dict[str, float]:
             continue
         pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
         args = [_cmdline(Path("/proc", pid)).split("\0") for pid in pids]
-        (delay,) = [a[a.index("--delay-ms") + 1] for a in args if "bimetal.lab.delay" in a]
+        (delay,) = [a[a.index("--delay-ms") + 1] for a in args if net.DELAY_SCRIPT in a]
         got[node] = float(delay)
     return got
 
 
 def _delay_daemons() -> set[str]:
-    return {p.name for p in Path("/proc").iterdir() if p.name.isdigit() and "bimetal.lab.delay" in _cmdline(p)}
+    return {p.name for p in Path("/proc").iterdir() if p.name.isdigit() and net.DELAY_SCRIPT in _cmdline(p)}
 
 
 def _cmdline(proc: Path) -> str:

@@ -22,7 +22,10 @@ The netlink messages are built by hand (nfnetlink_queue's config, packet and bat
 ``linux/netfilter/nfnetlink_queue.h``); the packet payload is never copied to user space.
 
 ``python -m bimetal.lab.delay --queue N --delay-ms D`` is the daemon; ``bimetal.lab.net.start_delay`` and
-``stop_delay`` manage one per NIC.
+``stop_delay`` manage one per NIC. ``start_delay`` runs this file by its path (``python .../bimetal/lab/delay.py
+--queue N --delay-ms D``), which reads those two options without importing the ``bimetal`` package: that import
+imports torch (about 2.3 s of CPU) to register bimetal's back-ends, and a daemon that only holds packets needs none
+of it. So this module imports nothing of bimetal at the top; any other command line goes to ``main``'s parser.
 """
 
 from __future__ import annotations
@@ -36,8 +39,7 @@ import socket
 import struct
 import sys
 import time
-
-from bimetal.args import ArgumentParser
+from pathlib import Path
 
 NETLINK_NETFILTER = 12
 _SUBSYS_QUEUE = 3 << 8
@@ -132,6 +134,8 @@ def serve(queue: int, delay_s: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from bimetal.args import ArgumentParser
+
     p = ArgumentParser(prog="python -m bimetal.lab.delay", description=__doc__.splitlines()[0])
     p.add_argument("--queue", type=int, required=True, help="NFQUEUE queue number (the NIC's index)")
     p.add_argument("--delay-ms", type=float, required=True, help="how long each packet is held")
@@ -142,7 +146,24 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _options(argv: list[str]) -> tuple[int, float] | None:
+    """``--queue N --delay-ms D`` as ``start_delay`` writes them, with values ``main`` accepts; else None."""
+    if len(argv) != 4 or argv[0] != "--queue" or argv[2] != "--delay-ms":
+        return None
+    try:
+        queue, delay_ms = int(argv[1]), float(argv[3])
+    except ValueError:
+        return None
+    return (queue, delay_ms) if 0 <= queue < 65536 and 0 < delay_ms <= 10_000 else None
+
+
 if __name__ == "__main__":
+    if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
+        del sys.path[0]  # run by its path: this package's folder is no place to find other modules
+    options = _options(sys.argv[1:])
+    if options is not None:
+        serve(options[0], options[1] / 1000)
+        sys.exit(0)
     from bimetal.entry import run_command
 
     sys.exit(run_command("lab delay", main, sys.argv[1:]))

@@ -204,6 +204,8 @@ def delete_lab_namespaces(lab_id: str) -> list[str]:
 
 
 _DELAY_MARK = "bimetal-delay"
+DELAY_SCRIPT = str(Path(__file__).resolve().with_name("delay.py"))
+"""The latency daemon, run by its path (see ``bimetal.lab.delay``: no bimetal package, so no torch, to import)."""
 
 
 def _rule(dev: str, queue: int) -> list[str]:
@@ -215,7 +217,7 @@ def _rule(dev: str, queue: int) -> list[str]:
 def start_delay(ns: str, dev: str, queue: int, delay_ms: float) -> None:
     """Hold every packet that arrives on ``dev`` in namespace ``ns`` for ``delay_ms``."""
     stop_delay(ns, dev, queue)
-    proc = subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-m", "bimetal.lab.delay", "--queue",
+    proc = subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, DELAY_SCRIPT, "--queue",
                              str(queue), "--delay-ms", f"{delay_ms:g}"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     assert proc.stdout is not None
@@ -242,6 +244,6 @@ def stop_delay(ns: str, dev: str, queue: int) -> None:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
         except OSError:
             continue
-        if "bimetal.lab.delay" in argv and "--queue" in argv and argv[argv.index("--queue") + 1:][:1] == [str(queue)]:
+        if DELAY_SCRIPT in argv and "--queue" in argv and argv[argv.index("--queue") + 1:][:1] == [str(queue)]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(int(pid), signal.SIGTERM)

@@ -46,7 +46,8 @@ def run_command(label: str, func: Callable[[list[str]], int | None], argv: list[
     call in the tests); it is taken back afterwards. A forked rank's parent froze its objects already
     (``bimetal.rank_fork``): that is left as it is.
 
-    At the process's exit every object is frozen (``_freeze_at_exit``), after the exit handlers that are left.
+    At the process's exit every object is frozen (``_freeze_at_exit``, an exit handler: it changes nothing the other
+    handlers do, whichever order they run in).
     """
     atexit.unregister(_freeze_at_exit)  # once per process, however many commands it runs
     atexit.register(_freeze_at_exit)

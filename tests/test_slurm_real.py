@@ -17,11 +17,12 @@ import re
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from launcher import ROOT, bimetal, free_port
+from cli_inprocess import cli_main
+from launcher import ROOT, free_port
 from slurm_cluster import SlurmCluster, slurm_unavailable
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
@@ -61,22 +62,32 @@ def slurm() -> Iterator[SlurmCluster]:
         cluster.down()
 
 
-def _script(tmp: Path, *, amd_nodes: int = 1, amd_gpus: int = 2, nv_gpus: int = 2, extra: tuple[str, ...] = ()) \
-        -> Path:
-    """``bimetal slurm --simulate`` for demo.toml (pp=2 x dp=2) on 1 x 2 NVIDIA + ``amd_nodes`` x ``amd_gpus`` AMD."""
-    spec = tmp / "spec.toml"
-    spec.write_text(SPEC.format(nv="nv", nv_nodes=1, nv_gpus=nv_gpus, amd_nodes=amd_nodes, amd_gpus=amd_gpus))
-    out = tmp / "job.sbatch"
-    proc = bimetal("slurm", "--config", str(ROOT / "configs" / "demo.toml"), "--cluster", str(spec), "--simulate",
-                   "--partition", "nvidia=nvidia", "--partition", "amd=amd", "--master-port", str(free_port()),
-                   "--out", str(out), f"--metrics.run_dir={tmp / 'run'}", *SMALL, *extra, cwd=tmp)
-    assert proc.returncode == 0, proc.stderr
-    return out
+@pytest.fixture
+def script(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) \
+        -> Callable[..., Path]:
+    """``make(amd_nodes=1, amd_gpus=2, nv_gpus=2, extra=())``: ``bimetal slurm --simulate`` for demo.toml
+    (pp=2 x dp=2) on 1 x ``nv_gpus`` NVIDIA + ``amd_nodes`` x ``amd_gpus`` AMD, its script in ``tmp_path``. The
+    command runs in this process (``cli_inprocess``: the console's ``main``, which checks it left nothing behind),
+    not a new interpreter per job: writing the script is not what these tests are about."""
+
+    def make(*, amd_nodes: int = 1, amd_gpus: int = 2, nv_gpus: int = 2, extra: tuple[str, ...] = ()) -> Path:
+        spec = tmp_path / "spec.toml"
+        spec.write_text(SPEC.format(nv="nv", nv_nodes=1, nv_gpus=nv_gpus, amd_nodes=amd_nodes, amd_gpus=amd_gpus))
+        out = tmp_path / "job.sbatch"
+        code, _, err = cli_main(["slurm", "--config", str(ROOT / "configs" / "demo.toml"), "--cluster", str(spec),
+                                 "--simulate", "--partition", "nvidia=nvidia", "--partition", "amd=amd",
+                                 "--master-port", str(free_port()), "--out", str(out),
+                                 f"--metrics.run_dir={tmp_path / 'run'}", *SMALL, *extra],
+                                capsys, monkeypatch, cwd=tmp_path)
+        assert code == 0, err
+        return out
+
+    return make
 
 
-def test_hetjob_trains_with_the_cross_vendor_group_on_a_bimetal_transport(slurm: SlurmCluster, tmp_path: Path) \
-        -> None:
-    job = slurm.sbatch(_script(tmp_path, extra=("--training.steps=3",)))
+def test_hetjob_trains_with_the_cross_vendor_group_on_a_bimetal_transport(slurm: SlurmCluster, tmp_path: Path,
+                                                                             script: Callable[..., Path]) -> None:
+    job = slurm.sbatch(script(extra=("--training.steps=3",)))
     info = slurm.wait_job(job, 240)
     out = (tmp_path / f"bimetal-{job}.out").read_text()
     assert info.get("JobState") == "COMPLETED" and info.get("ExitCode") == "0:0", out[-3000:] + slurm.logs()
@@ -92,8 +103,8 @@ def test_hetjob_trains_with_the_cross_vendor_group_on_a_bimetal_transport(slurm:
     assert summary["steps"] == 3 and summary["xvendor_bytes"] > 0, summary
 
 
-def test_scancel_stops_every_rank(slurm: SlurmCluster, tmp_path: Path) -> None:
-    job = slurm.sbatch(_script(tmp_path, extra=("--training.steps=100000",)))
+def test_scancel_stops_every_rank(slurm: SlurmCluster, tmp_path: Path, script: Callable[..., Path]) -> None:
+    job = slurm.sbatch(script(extra=("--training.steps=100000",)))
     metrics = tmp_path / "run" / "metrics.jsonl"
     deadline = time.monotonic() + 200
     while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text().strip()):
@@ -109,15 +120,16 @@ def test_scancel_stops_every_rank(slurm: SlurmCluster, tmp_path: Path) -> None:
     assert slurm.wait_job(job, 30).get("JobState") == "CANCELLED"
 
 
-def test_component_short_of_a_node_is_refused_before_any_rank(slurm: SlurmCluster, tmp_path: Path) -> None:
+def test_component_short_of_a_node_is_refused_before_any_rank(slurm: SlurmCluster, tmp_path: Path,
+                                                               script: Callable[..., Path]) -> None:
     """The layout puts AMD on 2 nodes of 1 GPU; the AMD partition has one node, so the script is edited down to
     one, as a user fitting a job to a partition would."""
-    script = _script(tmp_path, amd_nodes=2, amd_gpus=1)
-    text = script.read_text()
+    sbatch = script(amd_nodes=2, amd_gpus=1)
+    text = sbatch.read_text()
     head, amd = text.split("#SBATCH hetjob\n")
     assert "#SBATCH --nodes=2\n" in amd
-    script.write_text(head + "#SBATCH hetjob\n" + amd.replace("#SBATCH --nodes=2\n", "#SBATCH --nodes=1\n"))
-    job = slurm.sbatch(script)
+    sbatch.write_text(head + "#SBATCH hetjob\n" + amd.replace("#SBATCH --nodes=2\n", "#SBATCH --nodes=1\n"))
+    job = slurm.sbatch(sbatch)
     info = slurm.wait_job(job, 120)
     out = (tmp_path / f"bimetal-{job}.out").read_text().strip()
     assert info.get("ExitCode") == "2:0", out + slurm.logs()
@@ -137,7 +149,8 @@ def _listener_vendor(port: int) -> str:
     raise AssertionError(f"nothing of the job listens on port {port}: {out!r}")
 
 
-def test_elastic_job_loses_a_node_and_finishes_on_the_other(slurm: SlurmCluster, tmp_path: Path) -> None:
+def test_elastic_job_loses_a_node_and_finishes_on_the_other(slurm: SlurmCluster, tmp_path: Path,
+                                                             script: Callable[..., Path]) -> None:
     """``bimetal slurm --elastic 1``: a torchrun agent per node, one NVIDIA and one AMD GPU; once step 6 is logged
     the node that does not host the rendezvous loses its agent and rank (SIGKILL). (Which one hosts it is a race
     here: both slurmd run on this machine, so both agents take the endpoint for their own; on a cluster it is the
@@ -145,14 +158,14 @@ def test_elastic_job_loses_a_node_and_finishes_on_the_other(slurm: SlurmCluster,
     newest checkpoint and trains to step 12; the restart line names the lost node and its island. (The job's exit
     code is the killed task's: Slurm reports the lost node.) ``--rdzv-conf`` shortens the agents' waits and is
     checked to reach them."""
-    script = _script(tmp_path, amd_gpus=1, nv_gpus=1, extra=(
+    sbatch = script(amd_gpus=1, nv_gpus=1, extra=(
         "--parallel.layout=auto", "--elastic", "1", "--max-restarts", "1", "--training.steps=12",
         "--checkpoint.every=4", "--parallel.timeout_s=20",
         # torch's defaults would wait 3 x 5 s for the lost node's keep-alive, then 30 s for late nodes
         "--rdzv-conf", "last_call_timeout=5,keep_alive_interval=2"))
-    port = int(re.search(r"MASTER_PORT:-(\d+)", script.read_text()).group(1))  # type: ignore[union-attr]
-    assert script.read_text().count("--rdzv-conf=last_call_timeout=5,keep_alive_interval=2 ") == 2
-    job = slurm.sbatch(script)
+    port = int(re.search(r"MASTER_PORT:-(\d+)", sbatch.read_text()).group(1))  # type: ignore[union-attr]
+    assert sbatch.read_text().count("--rdzv-conf=last_call_timeout=5,keep_alive_interval=2 ") == 2
+    job = slurm.sbatch(sbatch)
     log = tmp_path / f"bimetal-{job}.out"
     deadline = time.monotonic() + 150
     while time.monotonic() < deadline and not (log.exists() and "step     6/12" in log.read_text()):

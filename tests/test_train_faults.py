@@ -46,11 +46,23 @@ def _steps_logged(run_dir: Path) -> list[int]:
     return [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def _train_argv(run_dir: Path, *args: str) -> list[str]:
+    """``_train``'s job as ``python -m bimetal.train`` (the ``bimetal train`` command's own ``main``: under
+    ``--simulate`` the job's launcher)."""
+    return ["-m", "bimetal.train", *COMMON, f"--parallel.timeout_s={TIMEOUT_S}", "--simulate", "nvidia:2,amd:2",
+            "--checkpoint.every=3", f"--metrics.run_dir={run_dir}", *args]
+
+
 def test_killed_rank_restarts_and_reaches_the_same_final_loss(tmp_path: Path) -> None:
-    ref = _train(tmp_path / "ref", {})
+    # The reference and the hurt job, one after the other, forked from one interpreter that imported the trainer
+    # once (tests/forked_runs.py) instead of a new one each. Rank 3 (AMD, last stage) dies after step 5; the
+    # checkpoint of step 3 is the newest complete one.
+    from forked_runs import runs
+
+    ref, hurt = runs([(_train_argv(tmp_path / "ref"), ROOT),
+                      (_train_argv(tmp_path / "hurt", "--max-restarts=1", "--checkpoint.keep_last=2"), ROOT)],
+                     envs=[clean_env(), clean_env(BIMETAL_FAULT_KILL="3:5")], at_once=False, timeout=230)
     assert ref.returncode == 0, ref.stderr[-2000:]
-    # rank 3 (AMD, last stage) dies after step 5; the checkpoint of step 3 is the newest complete one
-    hurt = _train(tmp_path / "hurt", {"BIMETAL_FAULT_KILL": "3:5"}, "--max-restarts=1", "--checkpoint.keep_last=2")
     out = hurt.stdout + hurt.stderr
     assert hurt.returncode == 0, out[-3000:]
     assert "rank 3 kills itself after step 5" in out

@@ -15,15 +15,13 @@ process ends a rank that never would by itself (a stalled one).
 
 from __future__ import annotations
 
-import ctypes
 import os
-import signal
 import sys
 from pathlib import Path
 
-from bimetal.rank_fork import fork_rank, preload
+from forked_runs import fork_all
 
-_PR_SET_PDEATHSIG = 1
+from bimetal.rank_fork import preload
 
 
 def main(argv: list[str]) -> int:
@@ -33,22 +31,8 @@ def main(argv: list[str]) -> int:
     nproc, logs, rank_argv = int(argv[0]), Path(argv[1]), argv[3:]
     logs.mkdir(parents=True, exist_ok=True)
     preload(rank_argv)
-    ranks: dict[int, int] = {}
-    for r in range(nproc):
-        env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r))
-
-        def in_child(r: int = r) -> None:  # the rank's own files on fds 1 and 2, then the parent-death signal
-            for fd, suffix in ((1, "out"), (2, "err")):
-                f = os.open(logs / f"rank{r}.{suffix}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-                os.dup2(f, fd)
-                os.close(f)
-            ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-
-        ranks[fork_rank(rank_argv, env, pipes=False, in_child=in_child).pid] = r
-    while ranks:
-        pid, status = os.wait()
-        if pid in ranks:
-            print(ranks.pop(pid), os.waitstatus_to_exitcode(status), flush=True)
+    fork_all([{"argv": rank_argv, "env": dict(os.environ, RANK=str(r), LOCAL_RANK=str(r)),
+               "out": str(logs / f"rank{r}.out"), "err": str(logs / f"rank{r}.err")} for r in range(nproc)])
     return 0
 
 

@@ -55,10 +55,11 @@ def runs(jobs: list[tuple[list[str], Path]], env: dict[str, str] | None = None, 
     return out
 
 
-def main(spec_path: str) -> int:
-    doc = json.loads(Path(spec_path).read_text())
-    spec, at_once = doc["runs"], doc["at_once"]
-    preload(spec[0]["argv"])
+def fork_all(spec: list[dict], at_once: bool = True) -> None:
+    """Fork a process per entry of ``spec`` (``argv``, ``env``: its whole environment or None for this one's,
+    ``cwd`` or None, ``out`` and ``err``: the files for fds 1 and 2), each with the parent-death signal, from this
+    process as it is (preloaded by the caller); print ``<index> <exit status>`` on a line of its own as each ends.
+    ``at_once=False``: each waits for the one before."""
     pids: dict[int, int] = {}
 
     def reap() -> None:
@@ -68,7 +69,8 @@ def main(spec_path: str) -> int:
 
     for i, run in enumerate(spec):
         def in_child(run: dict = run) -> None:  # the run's folder and files, then the parent-death signal
-            os.chdir(run["cwd"])
+            if run.get("cwd"):
+                os.chdir(run["cwd"])
             for fd, key in ((1, "out"), (2, "err")):
                 f = os.open(run[key], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
                 os.dup2(f, fd)
@@ -80,6 +82,12 @@ def main(spec_path: str) -> int:
             reap()
     while pids:
         reap()
+
+
+def main(spec_path: str) -> int:
+    doc = json.loads(Path(spec_path).read_text())
+    preload(doc["runs"][0]["argv"])
+    fork_all(doc["runs"], doc["at_once"])
     return 0
 
 

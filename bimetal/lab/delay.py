@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--queue", type=int, required=True, help="NFQUEUE queue number (the NIC's index)")
     p.add_argument("--delay-ms", type=float, required=True, help="how long each packet is held")
     args = p.parse_args(argv)
-    if not 0 <= args.queue < 65536 or not 0 < args.delay_ms <= 10_000:
+    if not _in_range(args.queue, args.delay_ms):
         p.error("--queue must be 0..65535 and --delay-ms in (0, 10000]")
     serve(args.queue, args.delay_ms / 1000)
     return 0
@@ -154,7 +154,12 @@ def _options(argv: list[str]) -> tuple[int, float] | None:
         queue, delay_ms = int(argv[1]), float(argv[3])
     except ValueError:
         return None
-    return (queue, delay_ms) if 0 <= queue < 65536 and 0 < delay_ms <= 10_000 else None
+    return (queue, delay_ms) if _in_range(queue, delay_ms) else None
+
+
+def _in_range(queue: int, delay_ms: float) -> bool:
+    """What the daemon takes: an NFQUEUE number and a hold of at most ten seconds."""
+    return 0 <= queue < 65536 and 0 < delay_ms <= 10_000
 
 
 if __name__ == "__main__":
